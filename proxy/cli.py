@@ -9,6 +9,7 @@ import logging
 import sys
 
 import pydantic
+from transformers.utils import logging as transformers_logging
 
 from proxy.backend.base import TargetError
 from proxy.decoding import GenerationRequest, TreeSettings, generate
@@ -122,6 +123,7 @@ def _one_line(exc: Exception) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING)
+    transformers_logging.disable_progress_bar()
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

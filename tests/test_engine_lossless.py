@@ -65,9 +65,10 @@ def _reference(target_dir: str, prompt: tuple[int, ...]) -> list[int]:
     return out[0, len(prompt) :].tolist()
 
 
-def _drafter(kind: str, engine: Engine, target_dir: str, small_drafter_dir):
+def _drafter(kind: str, engine: Engine, target_dir: str, small_drafter_dir, dflash_dir):
     info = target_info(engine.target.model.config, None, engine.target.model)
     specs = {
+        "dflash": f"dflash:{dflash_dir}",
         "ngram": "ngram",
         "autoregressive": f"autoregressive:{small_drafter_dir}",
         "agreeing": f"autoregressive:{target_dir}",  # the target drafts for itself
@@ -76,12 +77,14 @@ def _drafter(kind: str, engine: Engine, target_dir: str, small_drafter_dir):
 
 
 @pytest.mark.parametrize("budget", BUDGETS)
-@pytest.mark.parametrize("drafter_kind", ["ngram", "autoregressive", "agreeing"])
+@pytest.mark.parametrize("drafter_kind", ["dflash", "ngram", "autoregressive", "agreeing"])
 @pytest.mark.parametrize("shape", list(TARGET_SHAPES))
-def test_greedy_equals_generate(shape, drafter_kind, budget, target_dirs, small_drafter_dir):
+def test_greedy_equals_generate(
+    shape, drafter_kind, budget, target_dirs, small_drafter_dir, dflash_dirs
+):
     target_dir = str(target_dirs[shape])
     engine = _engine(target_dir)
-    drafter = _drafter(drafter_kind, engine, target_dir, small_drafter_dir)
+    drafter = _drafter(drafter_kind, engine, target_dir, small_drafter_dir, dflash_dirs[shape])
     tree = (
         TreeSettings(kind="chain", depth=6)
         if budget == "chain"
