@@ -87,7 +87,11 @@ def vllm_server(tmp_path_factory):
         return
     install_vllm()
     root = tmp_path_factory.mktemp("vllm")
-    server = start_server(make_test_model(root / "model"), root / "vllm.log")
+    # Eager mode starts in ~40 s instead of ~2 min of torch.compile on 2 shared cores;
+    # the tests compare vLLM with itself, so the compiled graph adds nothing to them.
+    server = start_server(
+        make_test_model(root / "model"), root / "vllm.log", extra_args=("--enforce-eager",)
+    )
     try:
         yield server
     finally:

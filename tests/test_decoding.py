@@ -7,8 +7,8 @@ import functools
 
 import pytest
 import torch
-
 from conftest import run
+
 from proxy.decoding import GenerationRequest, TreeSettings, generate, stream_generate
 from proxy.drafter import load_drafter
 from proxy.engine import Engine, target_info

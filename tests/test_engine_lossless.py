@@ -14,8 +14,8 @@ import functools
 import numpy as np
 import pytest
 import torch
-
 from conftest import TARGET_SHAPES, run
+
 from proxy.decoding import GenerationRequest, TreeSettings, generate
 from proxy.drafter import load_drafter
 from proxy.engine import Engine, target_info

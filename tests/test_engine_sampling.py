@@ -12,9 +12,9 @@ import functools
 
 import numpy as np
 import torch
+from conftest import run
 from scipy.stats import chisquare
 
-from conftest import run
 from proxy.decoding import GenerationRequest, TreeSettings, generate
 from proxy.drafter import load_drafter
 from proxy.engine import Engine, target_info

@@ -1,0 +1,451 @@
+"""Verify draft trees against an unmodified vLLM server over its OpenAI HTTP API.
+
+Strategies (see DESIGN.md section 3 for the measurements behind them):
+
+* ``nodes`` (default, any sampling): one ``max_tokens=1`` prompt per tree node, root
+  included -- node n's prompt is ``committed + tree.path_tokens(n)`` -- all in one
+  batched ``/v1/completions`` call. Each prompt reads the committed context from
+  vLLM's prefix cache and recomputes only its tail. With a client seed, vLLM seeds
+  every prompt of a call alike, so the nodes are split into one call per tree depth
+  (sent concurrently), each seeded for the absolute position its draws land on.
+* ``paths`` (greedy only): one prompt per leaf, ``committed + path(leaf)``, with
+  ``prompt_logprobs=1``; the target's argmax after every prefix along the path is read
+  from the prompt logprobs and the leaf's own next token from the completion. Fewer
+  prompts, but ``prompt_logprobs`` turns off vLLM's prefix cache for the request, so
+  the whole context is recomputed every round.
+
+Log-probs (when asked for) are what vLLM itself reports for that token -- by default
+its raw log-softmax before temperature/top-k/top-p (``--logprobs-mode raw_logprobs``),
+so a client sees the same numbers as from vLLM directly.
+
+Positions: committed[-1] is the root. The token the target draws at a node of depth d
+lands at absolute (0-based) position ``len(committed) + d``; the root's draw lands at
+``len(committed)``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, Sequence
+
+import httpx
+import numpy as np
+
+from proxy.backend.base import TargetCounters, TargetError, Verification
+from proxy.sampling import SamplingParams, derive_seed
+from proxy.tree import DraftTree, WalkResult
+
+Strategy = Literal["nodes", "paths"]
+STRATEGIES: tuple[str, ...] = ("nodes", "paths")
+
+
+class VLLMHttp:
+    """A pooled keep-alive client for one vLLM server; maps every failure to TargetError."""
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        api_key: str | None = None,
+        connect_timeout: float = 5.0,
+        read_timeout: float = 120.0,
+        max_connections: int = 64,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.client = httpx.AsyncClient(
+            base_url=self.base_url,
+            headers=headers,
+            timeout=httpx.Timeout(read_timeout, connect=connect_timeout),
+            limits=httpx.Limits(
+                max_connections=max_connections, max_keepalive_connections=max_connections
+            ),
+            transport=transport,
+        )
+
+    async def request_json(self, method: str, path: str, body: Any = None) -> Any:
+        """Send one request; return the decoded JSON body or raise TargetError."""
+        where = f"vLLM {method} {self.base_url}{path}"
+        try:
+            response = await self.client.request(method, path, json=body)
+        except httpx.TimeoutException as exc:
+            raise TargetError(f"{where} timed out ({type(exc).__name__})") from exc
+        except httpx.ConnectError as exc:
+            raise TargetError(f"{where}: cannot connect ({exc})") from exc
+        except httpx.HTTPError as exc:
+            raise TargetError(f"{where} failed: {type(exc).__name__}: {exc}") from exc
+        if response.status_code != 200:
+            raise TargetError(
+                f"{where} returned HTTP {response.status_code}: {response.text[:500]}"
+            )
+        try:
+            return response.json()
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise TargetError(f"{where} returned malformed JSON: {response.text[:200]!r}") from exc
+
+    async def aclose(self) -> None:
+        await self.client.aclose()
+
+
+def eos_token_ids_from_model_dir(model_dir: str | Path) -> tuple[int, ...]:
+    """The ids vLLM stops on for a local HF model dir: the tokenizer's EOS plus the
+    ``eos_token_id`` of config.json and generation_config.json (int or list)."""
+    model_dir = Path(model_dir)
+    ids: list[int] = []
+
+    def add(value: Any) -> None:
+        for token_id in value if isinstance(value, list) else [value]:
+            if isinstance(token_id, int) and token_id not in ids:
+                ids.append(token_id)
+
+    for name in ("generation_config.json", "config.json"):
+        path = model_dir / name
+        if path.is_file():
+            add(json.loads(path.read_text()).get("eos_token_id"))
+    tokenizer_config = model_dir / "tokenizer_config.json"
+    tokenizer_json = model_dir / "tokenizer.json"
+    if tokenizer_config.is_file() and tokenizer_json.is_file():
+        eos = json.loads(tokenizer_config.read_text()).get("eos_token")
+        if isinstance(eos, dict):
+            eos = eos.get("content")
+        for added in json.loads(tokenizer_json.read_text()).get("added_tokens", []):
+            if added.get("content") == eos:
+                add(added.get("id"))
+    if not ids:
+        raise ValueError(f"no eos_token_id found in {model_dir}")
+    return tuple(ids)
+
+
+@dataclass(frozen=True)
+class _Choice:
+    token: int  # the completion's one generated token
+    logprob: float | None  # its log-prob, when logprobs were asked for
+    # [len(prompt)] the argmax after prompt[:p] and its log-prob; [0] unused (no prefix)
+    prompt_argmax: list[tuple[int, float]] | None
+
+
+class VLLMTarget:
+    """A `Target` served by a vLLM OpenAI-compatible server.
+
+    Build it with `await VLLMTarget.connect(url)`, which reads the served model name and
+    ``max_model_len`` from ``/v1/models``. One pooled HTTP client is shared by every
+    session; close it with `aclose()`.
+    """
+
+    def __init__(
+        self,
+        http: VLLMHttp,
+        model: str,
+        max_model_len: int,
+        eos_token_ids: Sequence[int],
+        strategy: Strategy = "nodes",
+        block_size: int = 32,
+    ) -> None:
+        if strategy not in STRATEGIES:
+            raise ValueError(
+                f"Unknown vLLM verification strategy: {strategy!r}; valid: {STRATEGIES}"
+            )
+        if not eos_token_ids:
+            raise ValueError("eos_token_ids must not be empty")
+        self.http = http
+        self.name = model
+        self.max_model_len = int(max_model_len)
+        self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
+        self.strategy: Strategy = strategy
+        self.block_size = block_size  # the server's --block-size; only for cost estimates
+
+    @classmethod
+    async def connect(
+        cls,
+        url: str,
+        model: str | None = None,
+        *,
+        eos_token_ids: Sequence[int] | None = None,
+        model_dir: str | Path | None = None,
+        strategy: Strategy = "nodes",
+        api_key: str | None = None,
+        connect_timeout: float = 5.0,
+        read_timeout: float = 120.0,
+        block_size: int = 32,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> VLLMTarget:
+        """Query ``/v1/models`` and build the target.
+
+        model: the served model name; None takes the server's only (first) model.
+        eos_token_ids: given explicitly, or read from `model_dir`, or from the served
+        model's ``root`` when that is a directory on this machine (vLLM serving a local
+        path); otherwise ValueError -- without them the output could not stop where
+        vLLM's own would.
+        """
+        http = VLLMHttp(
+            url,
+            api_key=api_key,
+            connect_timeout=connect_timeout,
+            read_timeout=read_timeout,
+            transport=transport,
+        )
+        try:
+            listing = await http.request_json("GET", "/v1/models")
+            try:
+                entries = {entry["id"]: entry for entry in listing["data"]}
+            except (KeyError, TypeError) as exc:
+                raise TargetError(
+                    f"unexpected /v1/models answer from {url}: {listing!r:.300}"
+                ) from exc
+            if not entries:
+                raise TargetError(f"vLLM at {url} serves no model")
+            if model is None:
+                model = next(iter(entries))
+            if model not in entries:
+                raise ValueError(f"model {model!r} not served at {url}; served: {list(entries)}")
+            entry = entries[model]
+            if eos_token_ids is None:
+                local = model_dir or entry.get("root") or model
+                if not Path(local).is_dir():
+                    raise ValueError(
+                        f"cannot find eos_token_ids for {model!r}: pass eos_token_ids= or "
+                        f"model_dir= (the model's local config/tokenizer dir)"
+                    )
+                eos_token_ids = eos_token_ids_from_model_dir(local)
+            max_model_len = entry.get("max_model_len")
+            if not isinstance(max_model_len, int):
+                raise TargetError(f"/v1/models at {url} gives no max_model_len for {model!r}")
+            return cls(http, model, max_model_len, eos_token_ids, strategy, block_size)
+        except BaseException:
+            await http.aclose()
+            raise
+
+    async def start(
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        feature_layer_ids: tuple[int, ...] | None = None,
+        want_logprobs: bool = False,
+    ) -> VLLMSession:
+        if feature_layer_ids is not None:
+            raise ValueError(
+                "the vLLM HTTP backend cannot return target hidden states "
+                f"(feature_layer_ids={feature_layer_ids}); use engine mode for this drafter"
+            )
+        if self.strategy == "paths" and not params.greedy:
+            raise ValueError("strategy 'paths' reads argmaxes from prompt logprobs: greedy only")
+        return VLLMSession(self, params, want_logprobs)
+
+    async def aclose(self) -> None:
+        await self.http.aclose()
+
+
+class VLLMSession:
+    """One request's verifications. Stateless beyond counters: vLLM's prefix cache is
+    the only thing carried between rounds."""
+
+    def __init__(self, target: VLLMTarget, params: SamplingParams, want_logprobs: bool) -> None:
+        self.target = target
+        self.params = params
+        self.want_logprobs = want_logprobs
+        self.counters = TargetCounters()
+        self.counters.extra["recomputed_tokens_est"] = 0.0
+        self.prompt_features = None
+
+    async def verify(self, committed: Sequence[int], tree: DraftTree) -> Verification:
+        committed = [int(t) for t in committed]
+        if not committed or committed[-1] != int(tree.token_ids[0]):
+            raise ValueError("committed[-1] must be the tree's root token")
+        longest = len(committed) + tree.max_depth + 1
+        if longest > self.target.max_model_len:
+            raise TargetError(
+                f"verification needs {longest} tokens, over the target's "
+                f"max_model_len {self.target.max_model_len}"
+            )
+        paths = _node_paths(tree)
+        if self.target.strategy == "paths":
+            return await self._verify_paths(committed, tree, paths)
+        return await self._verify_nodes(committed, tree, paths)
+
+    async def _verify_nodes(
+        self, committed: list[int], tree: DraftTree, paths: list[list[int]]
+    ) -> Verification:
+        num_slots = tree.num_nodes + 1
+        if self.params.seed is None:
+            groups = [list(range(num_slots))]  # greedy or unseeded: one call
+            seeds: list[int | None] = [None]
+        else:
+            groups = [
+                np.flatnonzero(tree.depths == depth).tolist() for depth in range(tree.max_depth + 1)
+            ]
+            seeds = [
+                derive_seed(self.params.seed, len(committed) + depth)
+                for depth in range(tree.max_depth + 1)
+            ]
+        answers = await asyncio.gather(
+            *(
+                self._complete([committed + paths[idx] for idx in group], seed=seed)
+                for group, seed in zip(groups, seeds, strict=True)
+            )
+        )
+        tokens = np.full(num_slots, -1, dtype=np.int64)
+        logprobs = np.zeros(num_slots, dtype=np.float64) if self.want_logprobs else None
+        for group, choices in zip(groups, answers, strict=True):
+            for node_idx, choice in zip(group, choices, strict=True):
+                tokens[node_idx] = choice.token
+                if logprobs is not None:
+                    assert choice.logprob is not None
+                    logprobs[node_idx] = choice.logprob
+        assert (tokens >= 0).all()
+        return Verification(tokens=tokens, logprobs=logprobs)
+
+    async def _verify_paths(
+        self, committed: list[int], tree: DraftTree, paths: list[list[int]]
+    ) -> Verification:
+        has_child = np.zeros(tree.num_nodes + 1, dtype=bool)
+        has_child[tree.parents[1:]] = True
+        leaves = np.flatnonzero(~has_child).tolist()  # [0] alone when the tree is empty
+        choices = await self._complete(
+            [committed + paths[leaf] for leaf in leaves], prompt_logprobs=True
+        )
+        tokens = np.full(tree.num_nodes + 1, -1, dtype=np.int64)
+        logprobs = np.zeros(tree.num_nodes + 1, dtype=np.float64)
+        context_len = len(committed)
+        for leaf, choice in zip(leaves, choices, strict=True):
+            tokens[leaf] = choice.token
+            logprobs[leaf] = choice.logprob if choice.logprob is not None else 0.0
+            assert choice.prompt_argmax is not None
+            # The ancestors of `leaf` at depth d (root at 0): their next token is the
+            # argmax after prompt[: context_len + d], i.e. prompt_argmax[context_len + d].
+            for depth, node_idx in enumerate([0, *tree.path(leaf)[:-1]]):
+                if tokens[node_idx] < 0:
+                    tokens[node_idx], logprobs[node_idx] = choice.prompt_argmax[context_len + depth]
+        assert (tokens >= 0).all()
+        return Verification(tokens=tokens, logprobs=logprobs if self.want_logprobs else None)
+
+    async def _complete(
+        self,
+        prompts: list[list[int]],
+        seed: int | None = None,
+        prompt_logprobs: bool = False,
+    ) -> list[_Choice]:
+        """One batched /v1/completions call, max_tokens=1; choices in prompt order."""
+        params = self.params
+        body: dict[str, Any] = {
+            "model": self.target.name,
+            "prompt": prompts,
+            "max_tokens": 1,
+            "return_token_ids": True,
+            "temperature": params.temperature,
+            "top_p": params.top_p,
+            "top_k": params.top_k if params.top_k > 0 else -1,
+            # Neutral values override any generation_config defaults of the server:
+            # SamplingParams is the whole decoding rule we reproduce.
+            "min_p": 0.0,
+            "repetition_penalty": 1.0,
+            "presence_penalty": 0.0,
+            "frequency_penalty": 0.0,
+            "ignore_eos": True,
+            "skip_special_tokens": False,
+        }
+        if seed is not None:
+            body["seed"] = seed
+        if self.want_logprobs:
+            body["logprobs"] = 1
+        if prompt_logprobs:
+            body["prompt_logprobs"] = 1
+        counters = self.counters
+        counters.upstream_calls += 1
+        counters.verify_prompt_tokens += sum(len(prompt) for prompt in prompts)
+        counters.extra["recomputed_tokens_est"] += self._recompute_estimate(
+            prompts, cached=not prompt_logprobs
+        )
+        answer = await self.target.http.request_json("POST", "/v1/completions", body)
+        return _parse_choices(answer, prompts, self.want_logprobs, prompt_logprobs)
+
+    def _recompute_estimate(self, prompts: list[list[int]], cached: bool) -> float:
+        """Tokens vLLM recomputes, assuming the committed context's full blocks (but
+        never a prompt's last token) are in its prefix cache from the previous round."""
+        if not cached:
+            return float(sum(len(prompt) for prompt in prompts))
+        block = self.target.block_size
+        total = 0
+        for prompt in prompts:
+            total += len(prompt) - (len(prompt) - 1) // block * block
+        return float(total)
+
+    async def accept(self, tree: DraftTree, result: WalkResult) -> None:
+        return None  # no features over HTTP; vLLM's prefix cache keeps the context
+
+    async def aclose(self) -> None:
+        return None  # the pooled client belongs to the target
+
+
+def _node_paths(tree: DraftTree) -> list[list[int]]:
+    """[num_nodes + 1] drafted tokens from the root (excluded) down to each node."""
+    paths: list[list[int]] = [[]]
+    for node_idx in range(1, tree.num_nodes + 1):
+        # Parents precede children (DraftTree's order), so the parent's path exists.
+        paths.append(paths[int(tree.parents[node_idx])] + [int(tree.token_ids[node_idx])])
+    return paths
+
+
+def _parse_choices(
+    answer: Any, prompts: list[list[int]], want_logprobs: bool, prompt_logprobs: bool
+) -> list[_Choice]:
+    try:
+        raw_choices = answer["choices"]
+        if len(raw_choices) != len(prompts):
+            raise TargetError(
+                f"vLLM returned {len(raw_choices)} choices for {len(prompts)} prompts"
+            )
+        choices: list[_Choice | None] = [None] * len(prompts)
+        for raw in raw_choices:
+            prompt_idx = raw["index"]
+            if not isinstance(prompt_idx, int) or not 0 <= prompt_idx < len(prompts):
+                raise TargetError(f"vLLM returned choice index {prompt_idx!r} out of range")
+            if choices[prompt_idx] is not None:
+                raise TargetError(f"vLLM returned choice index {prompt_idx} twice")
+            token_ids = raw["token_ids"]
+            if not isinstance(token_ids, list) or len(token_ids) != 1:
+                raise TargetError(
+                    f"vLLM returned token_ids {token_ids!r} for a max_tokens=1 prompt"
+                )
+            logprob = None
+            if want_logprobs:
+                logprob = float(raw["logprobs"]["token_logprobs"][0])
+            prompt_argmax = None
+            if prompt_logprobs:
+                prompt_argmax = _prompt_argmax(raw["prompt_logprobs"], prompts[prompt_idx])
+            choices[prompt_idx] = _Choice(int(token_ids[0]), logprob, prompt_argmax)
+    except TargetError:
+        raise
+    except (KeyError, IndexError, TypeError, ValueError) as exc:
+        raise TargetError(
+            f"unexpected /v1/completions answer ({type(exc).__name__}: {exc}): {answer!r:.300}"
+        ) from exc
+    return [choice for choice in choices if choice is not None]
+
+
+def _prompt_argmax(entries: list[Any], prompt: list[int]) -> list[tuple[int, float]]:
+    """[len(prompt)]: at position p the argmax after prompt[:p] and its log-prob
+    ([0] is (-1, 0.0): no prefix).
+
+    With prompt_logprobs=1 vLLM returns, per position, the actual prompt token and the
+    top-1 token, each with its rank (1 = best). The actual token may be ranked 1 too
+    (it is the argmax, or tied with it); we take the rank-1 entry that is not the
+    prompt token when there is one, which is the one vLLM's top-k picked.
+    """
+    if len(entries) != len(prompt):
+        raise TargetError(f"vLLM returned {len(entries)} prompt logprobs for {len(prompt)} tokens")
+    argmax = [(-1, 0.0)]
+    for position in range(1, len(prompt)):
+        best = [
+            (int(token), float(info["logprob"]))
+            for token, info in entries[position].items()
+            if info["rank"] == 1
+        ]
+        if not best:
+            raise TargetError(f"no rank-1 token in prompt logprobs at position {position}")
+        others = [entry for entry in best if entry[0] != prompt[position]]
+        argmax.append(others[0] if others else best[0])
+    return argmax
