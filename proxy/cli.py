@@ -85,6 +85,61 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return run_server(args)
 
 
+def _add_serve_args(parser: argparse.ArgumentParser) -> None:
+    # Defaults are None so that DDTREE_* environment variables can fill the gaps; the
+    # real defaults live in proxy.config.ServerSettings.
+    parser.add_argument(
+        "--target-url", default=None, help="upstream vLLM URL (proxy mode); omit for engine mode"
+    )
+    parser.add_argument(
+        "--target",
+        default=None,
+        help="engine mode: local target model directory (default: shipped)",
+    )
+    parser.add_argument(
+        "--model", default=None, help="proxy: the upstream model to serve; engine: its served name"
+    )
+    parser.add_argument(
+        "--tokenizer", default=None, help="proxy: local tokenizer dir (default: vLLM's /tokenize)"
+    )
+    parser.add_argument(
+        "--drafter",
+        default=None,
+        help=f"NAME[:PATH], NAME one of {', '.join(sorted(DRAFTERS))} "
+        "(default: ngram in proxy mode, the shipped dflash in engine mode)",
+    )
+    shape = parser.add_mutually_exclusive_group()
+    shape.add_argument("--budget", type=int, default=None, help="tree nodes per round (16)")
+    shape.add_argument("--chain", action="store_true", help="plain chain of depth D")
+    shape.add_argument("--no-draft", action="store_true", help="no speculation at all")
+    parser.add_argument("--depth", type=int, default=None, help="tree depth per round")
+    parser.add_argument(
+        "--strategy", choices=["nodes", "paths"], default=None, help="proxy: verification (nodes)"
+    )
+    parser.add_argument("--host", default=None, help="address to bind (127.0.0.1)")
+    parser.add_argument("--port", type=int, default=None, help="port (8000)")
+    parser.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY")
+    parser.add_argument("--upstream-api-key", default=None, help="API key of the upstream vLLM")
+    parser.add_argument(
+        "--connect-timeout", type=float, default=None, help="upstream connect timeout, s (5)"
+    )
+    parser.add_argument(
+        "--read-timeout", type=float, default=None, help="upstream read timeout, s (120)"
+    )
+    parser.add_argument(
+        "--torch-threads",
+        type=int,
+        default=None,
+        help="threads for in-process models (default: 1 in proxy mode, torch's in engine mode)",
+    )
+    parser.add_argument(
+        "--log-level",
+        choices=["critical", "error", "warning", "info", "debug"],
+        default=None,
+        help="server log level (info)",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ddtree-proxy", description="Lossless DDTree speculative decoding"
@@ -102,13 +157,15 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="print one JSON object")
     gen.set_defaults(func=_cmd_generate)
 
-    serve = sub.add_parser("serve", help="serve an OpenAI-compatible API")
-    _add_model_args(serve)
-    serve.add_argument(
-        "--target-url", default=None, help="upstream vLLM URL (proxy mode); omit for engine mode"
+    serve = sub.add_parser(
+        "serve",
+        help="serve an OpenAI-compatible API",
+        description="Serve /v1/completions and /v1/chat/completions. With --target-url: proxy "
+        "mode in front of an unmodified vLLM server; without: engine mode (in-process target). "
+        "Every option can also come from the environment as DDTREE_<OPTION> "
+        "(e.g. DDTREE_TARGET_URL, DDTREE_BUDGET, DDTREE_KIND=chain|none); flags win.",
     )
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
+    _add_serve_args(serve)
     serve.set_defaults(func=_cmd_serve)
     return parser
 

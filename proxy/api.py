@@ -1,0 +1,305 @@
+"""The OpenAI-compatible requests: their models, which ones DDTree serves and which it
+must pass through, and OpenAI-style errors (responses are in `proxy.responses`).
+
+A request field is one of three things:
+* served: DDTree reproduces vLLM's output for it (prompt, max_tokens, sampling, stop...);
+* pass-through: DDTree cannot honour it losslessly when it is active (n > 1, penalties,
+  logit_bias, structured output, echo, prompt_logprobs, ...): the request goes to vLLM
+  unchanged in proxy mode, and is refused with a 400 in engine mode;
+* neutral: it does not change the output (user, priority, ...).
+Anything else is a 400 naming the field, as is a served field out of range.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, ClassVar, Literal
+
+import pydantic
+from pydantic import BaseModel, ConfigDict, Field
+
+Endpoint = Literal["completions", "chat"]
+
+
+class RequestError(Exception):
+    """A client-visible error, rendered as an OpenAI-style error body."""
+
+    def __init__(
+        self,
+        message: str,
+        param: str | None = None,
+        status: int = 400,
+        err_type: str = "invalid_request_error",
+    ):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.status = status
+        self.err_type = err_type
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.err_type, self.status, self.param)
+
+
+def error_body(message: str, err_type: str, code: int, param: str | None = None) -> dict:
+    return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
+
+
+class DDTreeOptions(BaseModel):
+    """Per-request `"ddtree": {...}` overrides of the server's defaults."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    enabled: bool = Field(True, description="false: pass the request to vLLM unchanged")
+    kind: Literal["ddtree", "chain", "none"] | None = Field(None, description="tree shape")
+    budget: int | None = Field(None, description="tree nodes per round")
+    depth: int | None = Field(None, description="levels per round")
+    strategy: Literal["nodes", "paths"] | None = Field(None, description="proxy verification")
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False
+
+
+def _is_set(value: Any) -> bool:
+    return value is not None
+
+
+def _is_true(value: Any) -> bool:
+    return bool(value)
+
+
+def _not_zero(value: Any) -> bool:
+    return value is not None and value != 0
+
+
+def _not_one(value: Any) -> bool:
+    return value is not None and value != 1
+
+
+def _not_text_format(value: Any) -> bool:
+    return value is not None and not (isinstance(value, dict) and value.get("type") == "text")
+
+
+# field -> "is it active" for fields DDTree cannot honour losslessly.
+_PASSTHROUGH_COMMON: dict[str, Callable[[Any], bool]] = {
+    "n": _not_one,
+    "best_of": _not_one,
+    "presence_penalty": _not_zero,
+    "frequency_penalty": _not_zero,
+    "repetition_penalty": _not_one,
+    "logit_bias": _is_true,
+    "response_format": _not_text_format,
+    "structured_outputs": _is_set,
+    "guided_json": _is_set,
+    "guided_regex": _is_set,
+    "guided_choice": _is_set,
+    "guided_grammar": _is_set,
+    "guided_decoding_backend": _is_set,
+    "guided_whitespace_pattern": _is_set,
+    "echo": _is_true,
+    "prompt_logprobs": _is_set,
+    "min_p": _not_zero,
+    "min_tokens": _not_zero,
+    "use_beam_search": _is_true,
+    "length_penalty": _not_one,
+    "allowed_token_ids": _is_set,
+    "bad_words": _is_true,
+    "logprob_token_ids": _is_set,
+    "include_stop_str_in_output": _is_true,
+    "spaces_between_special_tokens": lambda value: value is False,
+    "truncate_prompt_tokens": _is_set,
+    "truncation_side": _is_set,
+    "prompt_embeds": _is_set,
+    "watermarking": _is_true,
+    "kv_transfer_params": _is_set,
+    "ec_transfer_params": _is_set,
+    "vllm_xargs": _is_set,
+    "repetition_detection": _is_set,
+    "thinking_token_budget": _is_set,
+    "return_tokens_as_token_ids": _is_true,
+    "return_token_offsets": _is_true,
+    "mm_payload": _is_set,
+    "return_mm_kwargs": _is_true,
+    "stream_interval": _not_one,
+    "routed_experts_prompt_start": _not_zero,
+    "cache_salt": _is_set,
+}
+
+
+def _is_prompt_batch(prompt: Any) -> bool:
+    """Several prompts ([str, ...] or [[int, ...], ...]): one choice each."""
+    return isinstance(prompt, list) and len(prompt) > 1 and isinstance(prompt[0], (str, list))
+
+
+def _has_non_text_content(messages: Any) -> bool:
+    """Images, audio, ... in chat content parts: vLLM's multimodal path."""
+    if not isinstance(messages, list):
+        return False
+    return any(
+        isinstance(message, dict)
+        and isinstance(message.get("content"), list)
+        and any(
+            not isinstance(part, dict)
+            or part.get("type") != "text"
+            or not isinstance(part.get("text"), str)
+            for part in message["content"]
+        )
+        for message in messages
+    )
+
+
+_PASSTHROUGH_COMPLETION = {
+    **_PASSTHROUGH_COMMON,
+    "prompt": _is_prompt_batch,
+    # Top alternatives: a node's answer reports only the chosen token's log-prob.
+    "logprobs": _not_zero,
+    "suffix": _is_set,
+}
+_PASSTHROUGH_CHAT = {
+    **_PASSTHROUGH_COMMON,
+    "messages": _has_non_text_content,
+    "top_logprobs": _not_zero,
+    "tools": _is_true,
+    "tool_choice": lambda value: value not in (None, "none"),
+    "functions": _is_true,
+    "function_call": _is_set,
+    "documents": _is_set,
+    "chat_template": _is_set,
+    "media_io_kwargs": _is_set,
+    "mm_processor_kwargs": _is_set,
+    "reasoning_effort": _is_set,
+    "return_prompt_text": _is_true,
+    "audio": _is_set,
+    "modalities": lambda value: value not in (None, ["text"]),
+    "prediction": _is_set,
+    "web_search_options": _is_set,
+    "verbosity": _is_set,
+}
+# Accepted and ignored: they do not change the generated output.
+_NEUTRAL = frozenset(
+    {
+        "user",
+        "request_id",
+        "session_id",
+        "priority",
+        "parallel_tool_calls",
+        "include_reasoning",
+        "store",
+        "metadata",
+        "service_tier",
+        "prompt_cache_key",
+        "safety_identifier",
+    }
+)
+
+
+class _GenerationRequest(BaseModel):
+    """Fields both endpoints serve with DDTree. Pass-through and neutral fields land in
+    `model_extra` (only after `parse` has refused unknown ones)."""
+
+    model_config = ConfigDict(extra="allow")
+    passthrough_rules: ClassVar[dict[str, Callable[[Any], bool]]] = _PASSTHROUGH_COMMON
+
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1)
+    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    return_token_ids: bool | None = False
+    skip_special_tokens: bool = True
+    ddtree: DDTreeOptions | None = None
+
+    @classmethod
+    def parse(cls, body: dict[str, Any]):
+        """Validate a JSON body; RequestError (400) names the offending field."""
+        known = cls.model_fields.keys() | cls.passthrough_rules.keys() | _NEUTRAL
+        for name in body:
+            if name not in known:
+                raise RequestError(f"Unknown field {name!r}", param=name)
+        try:
+            return cls.model_validate(body)
+        except pydantic.ValidationError as exc:
+            err = exc.errors()[0]
+            param = ".".join(str(part) for part in err["loc"]) or None
+            raise RequestError(f"{param}: {err['msg']}", param=param) from None
+
+    @classmethod
+    def passthrough_reason(cls, body: dict[str, Any]) -> str | None:
+        """The first active field of a raw JSON body that DDTree cannot honour
+        losslessly, or None. Works before validation: a request that goes to vLLM is
+        vLLM's to validate."""
+        for name, value in body.items():
+            rule = cls.passthrough_rules.get(name)
+            if rule is not None and rule(value):
+                return name
+        return None
+
+    @property
+    def stop_strings(self) -> tuple[str, ...]:
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if any(not s for s in stop):
+            raise RequestError("stop: stop strings must be non-empty", param="stop")
+        return tuple(stop)
+
+    @property
+    def stream_usage(self) -> tuple[bool, bool]:
+        """(include_usage, continuous_usage_stats) of stream_options."""
+        options = self.stream_options or StreamOptions()
+        return bool(options.include_usage), bool(options.continuous_usage_stats)
+
+
+class CompletionRequest(_GenerationRequest):
+    passthrough_rules: ClassVar[dict[str, Callable[[Any], bool]]] = _PASSTHROUGH_COMPLETION
+
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=20)
+    add_special_tokens: bool = True
+
+    @property
+    def single_prompt(self) -> str | list[int]:
+        prompt = self.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]
+        if not prompt:
+            raise RequestError("prompt: the prompt is empty", param="prompt")
+        return prompt
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    passthrough_rules: ClassVar[dict[str, Callable[[Any], bool]]] = _PASSTHROUGH_CHAT
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @property
+    def message_dicts(self) -> list[dict[str, Any]]:
+        return [message.model_dump(exclude_unset=True) for message in self.messages]
+
+
+REQUEST_MODELS: dict[Endpoint, type[_GenerationRequest]] = {
+    "completions": CompletionRequest,
+    "chat": ChatCompletionRequest,
+}

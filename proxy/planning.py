@@ -1,0 +1,219 @@
+"""From a validated OpenAI request to what the decoding loop runs: prompt token ids
+(through the target's own tokenizer and chat template), the output limit, sampling
+parameters and the tree shape (server defaults + the request's `ddtree` overrides)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import jinja2
+import pydantic
+from fastapi import Request
+
+from proxy.api import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DDTreeOptions,
+    Endpoint,
+    RequestError,
+)
+from proxy.backend.base import Target
+from proxy.config import ServerSettings
+from proxy.decoding import GenerationRequest, TreeSettings, resolve_depth
+from proxy.responses import ResponseWriter
+from proxy.sampling import SamplingParams
+from proxy.service import Service
+
+# vLLM treats temperatures below this as greedy (its _SAMPLING_EPS); so do we.
+GREEDY_TEMPERATURE = 1e-5
+
+
+@dataclass
+class Plan:
+    """A validated request, ready for the decoding loop."""
+
+    endpoint: Endpoint
+    generation: GenerationRequest
+    target: Target
+    writer: ResponseWriter
+    skip_special_tokens: bool
+    stream: bool
+    include_usage: bool
+    continuous_usage: bool
+
+
+async def plan_request(
+    service: Service,
+    settings: ServerSettings,
+    request: Request,
+    endpoint: Endpoint,
+    parsed: CompletionRequest | ChatCompletionRequest,
+    disabled: bool,
+) -> Plan:
+    """Tokenize the prompt and settle every knob of the generation. RequestError (400)
+    names the field at fault; TargetError means the upstream failed to tokenize.
+    `disabled`: the request opted out of speculation (engine mode: the target alone)."""
+    if isinstance(parsed, CompletionRequest):
+        prompt = parsed.single_prompt
+        if isinstance(prompt, str):
+            prompt_ids = await service.tokens.encode(prompt, parsed.add_special_tokens)
+        else:
+            prompt_ids = list(prompt)
+        max_tokens = parsed.max_tokens
+        prompt_field = "prompt"
+    else:
+        assert isinstance(parsed, ChatCompletionRequest)
+        try:
+            prompt_ids = await service.tokens.encode_chat(
+                parsed.message_dicts,
+                parsed.add_generation_prompt,
+                parsed.continue_final_message,
+                parsed.chat_template_kwargs,
+            )
+        except (ValueError, TypeError, KeyError, jinja2.TemplateError) as exc:
+            raise RequestError(f"messages: {exc}", param="messages") from None
+        max_tokens = parsed.max_completion_tokens or parsed.max_tokens
+        prompt_field = "messages"
+    if not prompt_ids:
+        raise RequestError(f"{prompt_field}: the prompt has no tokens", param=prompt_field)
+    vocab_size = service.vocab_size
+    if vocab_size is not None and any(not 0 <= t < vocab_size for t in prompt_ids):
+        raise RequestError(
+            f"{prompt_field}: token ids must lie in [0, {vocab_size})", param=prompt_field
+        )
+    limit = service.max_model_len
+    if len(prompt_ids) >= limit:
+        raise RequestError(
+            f"{prompt_field}: this model's maximum context length is {limit} tokens, and "
+            f"the prompt has {len(prompt_ids)}: no room for output",
+            param=prompt_field,
+        )
+    # Like vLLM: the output stops at the context limit (finish_reason "length")
+    # rather than refusing a max_tokens that would pass it.
+    room = limit - len(prompt_ids)
+    max_tokens = room if max_tokens is None else min(max_tokens, room)
+    sampling = _sampling(parsed, service.sampling_defaults)
+    want_logprobs = (
+        parsed.logprobs is not None
+        if isinstance(parsed, CompletionRequest)
+        else bool(parsed.logprobs)
+    )
+    tree, strategy = _tree(service, settings, parsed.ddtree, disabled, sampling, want_logprobs)
+    try:
+        generation = GenerationRequest(
+            prompt_ids=prompt_ids,
+            max_tokens=max_tokens,
+            sampling=sampling,
+            tree=tree,
+            stop=parsed.stop_strings,
+            stop_token_ids=tuple(parsed.stop_token_ids or ()),
+            ignore_eos=parsed.ignore_eos,
+            logprobs=want_logprobs,
+        )
+    except ValueError as exc:
+        raise RequestError(str(exc)) from None
+    request_id = (
+        body_id
+        if isinstance(body_id := (parsed.model_extra or {}).get("request_id"), str)
+        else request.headers.get("x-request-id") or ResponseWriter.new_request_id()
+    )
+    include_usage, continuous_usage = parsed.stream_usage
+    return Plan(
+        endpoint=endpoint,
+        generation=generation,
+        target=service.target(strategy),
+        writer=ResponseWriter(
+            endpoint=endpoint,
+            model=service.model_name,
+            request_id=request_id,
+            return_token_ids=bool(parsed.return_token_ids),
+            want_logprobs=want_logprobs,
+        ),
+        skip_special_tokens=parsed.skip_special_tokens,
+        stream=bool(parsed.stream),
+        include_usage=include_usage,
+        continuous_usage=continuous_usage,
+    )
+
+
+def _sampling(
+    parsed: CompletionRequest | ChatCompletionRequest, defaults: dict[str, float | int]
+) -> SamplingParams:
+    temperature = parsed.temperature
+    if temperature is None:
+        temperature = float(defaults.get("temperature", 1.0))
+    if temperature < GREEDY_TEMPERATURE:
+        return SamplingParams(temperature=0.0, seed=parsed.seed)
+    top_p = parsed.top_p if parsed.top_p is not None else float(defaults.get("top_p", 1.0))
+    top_k = parsed.top_k if parsed.top_k is not None else int(defaults.get("top_k", 0))
+    return SamplingParams(
+        temperature=temperature, top_p=top_p, top_k=max(top_k, 0), seed=parsed.seed
+    )
+
+
+def _tree(
+    service: Service,
+    settings: ServerSettings,
+    options: DDTreeOptions | None,
+    disabled: bool,
+    sampling: SamplingParams,
+    want_logprobs: bool,
+) -> tuple[TreeSettings, str | None]:
+    """Server defaults + the request's overrides; errors name the ddtree.* field."""
+    options = options or DDTreeOptions()
+    overrides = options.model_dump(exclude_none=True, exclude={"enabled", "strategy"})
+    if disabled:
+        overrides["kind"] = "none"  # engine mode's opt-out: the target alone
+    try:
+        tree = TreeSettings(**{**settings.tree.model_dump(), **overrides})
+    except pydantic.ValidationError as exc:
+        raise _ddtree_error(exc) from None
+    strategy = options.strategy
+    if service.mode == "engine" and strategy is not None:
+        raise RequestError(
+            "ddtree.strategy: only proxy mode has verification strategies",
+            param="ddtree.strategy",
+        )
+    if service.mode == "proxy":
+        strategy = strategy or settings.strategy
+        if strategy == "paths" and (not sampling.greedy or want_logprobs):
+            raise RequestError(
+                "ddtree.strategy: 'paths' reads argmaxes from prompt logprobs, so it "
+                "serves greedy requests without logprobs only; use 'nodes'",
+                param="ddtree.strategy",
+            )
+    if tree.kind != "none":
+        if service.drafter is None:
+            raise RequestError(
+                f"ddtree.kind: {tree.kind!r} needs a drafter, and this server runs without "
+                "one; use kind 'none'",
+                param="ddtree.kind",
+            )
+        try:
+            resolve_depth(tree, service.drafter)
+        except ValueError as exc:
+            raise RequestError(f"ddtree.depth: {exc}", param="ddtree.depth") from None
+    return tree, strategy
+
+
+def _ddtree_error(exc: pydantic.ValidationError) -> RequestError:
+    err = exc.errors()[0]
+    param = ".".join(["ddtree", *(str(part) for part in err["loc"])])
+    return RequestError(f"{param}: {err['msg']}", param=param)
+
+
+def opted_out(request: Request, body: dict[str, Any]) -> bool:
+    """`x-ddtree: off` or `"ddtree": {"enabled": false}`; validates the ddtree field."""
+    options = body.get("ddtree")
+    if options is not None:
+        try:
+            options = DDTreeOptions.model_validate(options)
+        except pydantic.ValidationError as exc:
+            raise _ddtree_error(exc) from None
+    header = request.headers.get("x-ddtree", "").strip().lower()
+    if header and header not in ("on", "off", "true", "false", "1", "0"):
+        raise RequestError(
+            f"header x-ddtree must be 'on' or 'off', got {header!r}", param="x-ddtree"
+        )
+    return header in ("off", "false", "0") or (options is not None and not options.enabled)
