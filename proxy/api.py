@@ -29,12 +29,14 @@ class RequestError(Exception):
         param: str | None = None,
         status: int = 400,
         err_type: str = "invalid_request_error",
+        headers: dict[str, str] | None = None,
     ):
         super().__init__(message)
         self.message = message
         self.param = param
         self.status = status
         self.err_type = err_type
+        self.headers = headers or {}
 
     def body(self) -> dict[str, Any]:
         return error_body(self.message, self.err_type, self.status, self.param)
@@ -196,6 +198,12 @@ _NEUTRAL = frozenset(
 )
 
 
+def _is_union_tag(part: str | int) -> bool:
+    """pydantic names the member of a union that failed in an error's location
+    ('prompt', 'list[int]', 0); the field a client wrote is the rest."""
+    return isinstance(part, str) and (part in ("str", "int", "float", "bool") or "[" in part)
+
+
 class _GenerationRequest(BaseModel):
     """Fields both endpoints serve with DDTree. Pass-through and neutral fields land in
     `model_extra` (only after `parse` has refused unknown ones)."""
@@ -229,8 +237,8 @@ class _GenerationRequest(BaseModel):
             return cls.model_validate(body)
         except pydantic.ValidationError as exc:
             err = exc.errors()[0]
-            param = ".".join(str(part) for part in err["loc"]) or None
-            raise RequestError(f"{param}: {err['msg']}", param=param) from None
+            param = ".".join(str(part) for part in err["loc"] if not _is_union_tag(part))
+            raise RequestError(f"{param}: {err['msg']}", param=param or None) from None
 
     @classmethod
     def passthrough_reason(cls, body: dict[str, Any]) -> str | None:

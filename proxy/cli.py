@@ -133,6 +133,21 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
         help="threads for in-process models (default: 1 in proxy mode, torch's in engine mode)",
     )
     parser.add_argument(
+        "--max-retries", type=int, default=None, help="retries of a failed verification call (4)"
+    )
+    parser.add_argument(
+        "--request-timeout", type=float, default=None, help="deadline of one request, s (600)"
+    )
+    parser.add_argument(
+        "--max-active", type=int, default=None, help="generations served at once (64)"
+    )
+    parser.add_argument(
+        "--max-queue", type=int, default=None, help="waiting requests before 429 (256)"
+    )
+    parser.add_argument(
+        "--max-body-bytes", type=int, default=None, help="largest request body before 413 (4 MiB)"
+    )
+    parser.add_argument(
         "--log-level",
         choices=["critical", "error", "warning", "info", "debug"],
         default=None,

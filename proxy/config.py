@@ -46,6 +46,23 @@ class ServerSettings(BaseModel):
     upstream_api_key: str | None = Field(None, description="key sent to the upstream vLLM")
     connect_timeout: float = Field(5.0, gt=0, description="upstream connect timeout, seconds")
     read_timeout: float = Field(120.0, gt=0, description="upstream read timeout, seconds")
+    max_retries: int = Field(
+        4, ge=0, le=20, description="retries of a failed idempotent upstream call (verification)"
+    )
+    retry_backoff: float = Field(
+        0.05, ge=0, description="first retry's backoff, seconds; doubles per retry, jittered"
+    )
+    max_retry_backoff: float = Field(1.0, ge=0, description="cap on one retry's backoff, seconds")
+    request_timeout: float = Field(
+        600.0, gt=0, description="deadline of one generation request, seconds (then 504)"
+    )
+    max_active: int = Field(64, ge=1, description="generation requests served at once")
+    max_queue: int = Field(
+        256, ge=0, description="requests waiting for a slot; beyond it, 429 with Retry-After"
+    )
+    max_body_bytes: int = Field(
+        4 * 1024 * 1024, ge=1024, description="largest request body accepted (then 413)"
+    )
     torch_threads: int | None = Field(
         None,
         ge=1,

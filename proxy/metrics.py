@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 _LATENCY_BUCKETS = (
     0.0005,
@@ -69,4 +69,32 @@ class ServerMetrics:
             "Upstream failures seen by clients, by kind (timeout, connect, network, http, malformed)",
             ["kind"],
             registry=registry,
+        )
+        self.upstream_retries = Counter(
+            "ddtree_upstream_retries",
+            "Idempotent upstream calls retried, by the failure that caused the retry",
+            ["kind"],
+            registry=registry,
+        )
+        self.rejected = Counter(
+            "ddtree_rejected",
+            "Requests refused before serving, by reason (queue_full, body_too_large)",
+            ["reason"],
+            registry=registry,
+        )
+        self.deadline_exceeded = Counter(
+            "ddtree_deadline_exceeded",
+            "Generation requests cut by the per-request deadline",
+            registry=registry,
+        )
+        self.client_disconnects = Counter(
+            "ddtree_client_disconnects",
+            "Streams whose client went away before the end (generation stopped)",
+            registry=registry,
+        )
+        self.active = Gauge(
+            "ddtree_active_requests", "Generation requests being served", registry=registry
+        )
+        self.queued = Gauge(
+            "ddtree_queued_requests", "Generation requests waiting for a slot", registry=registry
         )

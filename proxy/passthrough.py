@@ -28,7 +28,13 @@ def sse(payload: dict[str, Any] | str) -> bytes:
 
 
 def upstream_error(exc: TargetError, metrics: ServerMetrics) -> RequestError:
-    """The client's view of a failed upstream call: 504 on timeout, else 502."""
+    """The client's view of a failed upstream call: 504 on timeout, else 502 -- except
+    that vLLM refusing what the client sent (a 4xx other than 401/403/429, e.g. a token
+    id it does not know) stays that 4xx: it is the request's fault, not the upstream's."""
+    status = getattr(exc, "status", None)
+    if isinstance(status, int) and 400 <= status < 500 and status not in (401, 403, 429):
+        metrics.upstream_errors.labels("refused").inc()
+        return RequestError(f"upstream refused the request: {exc}", status=status)
     cause = exc.__cause__
     if isinstance(cause, httpx.TimeoutException):
         kind, status = "timeout", 504

@@ -56,6 +56,10 @@ async def plan_request(
     `disabled`: the request opted out of speculation (engine mode: the target alone)."""
     if isinstance(parsed, CompletionRequest):
         prompt = parsed.single_prompt
+        if isinstance(prompt, str) and not prompt.strip():
+            # vLLM would continue whitespace; a request that is nothing but whitespace
+            # is a client bug we report rather than spend compute on.
+            raise RequestError("prompt: the prompt is only whitespace", param="prompt")
         if isinstance(prompt, str):
             prompt_ids = await service.tokens.encode(prompt, parsed.add_special_tokens)
         else:
@@ -83,6 +87,18 @@ async def plan_request(
             f"{prompt_field}: token ids must lie in [0, {vocab_size})", param=prompt_field
         )
     limit = service.max_model_len
+    if max_tokens is not None and max_tokens > limit:
+        # No prompt leaves room for it: a client bug, not a request to clamp.
+        field = (
+            "max_completion_tokens"
+            if isinstance(parsed, ChatCompletionRequest) and parsed.max_completion_tokens
+            else "max_tokens"
+        )
+        raise RequestError(
+            f"{field}: {max_tokens} is more than this model's maximum context length of "
+            f"{limit} tokens",
+            param=field,
+        )
     if len(prompt_ids) >= limit:
         raise RequestError(
             f"{prompt_field}: this model's maximum context length is {limit} tokens, and "

@@ -16,9 +16,10 @@ from typing import Any, Mapping
 import httpx
 import uvicorn
 from fastapi import Depends, FastAPI, Request, Response
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
 
-from proxy.api import RequestError, error_body
+from proxy.api import REQUEST_MODELS, RequestError, error_body
 from proxy.config import ServerSettings, settings_from_sources
 from proxy.service import Service, build_service
 from proxy.serving import Serving
@@ -46,6 +47,7 @@ def create_app(
 
     app = FastAPI(title="ddtree-proxy", lifespan=lifespan)
     app.state.server = server
+    app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
 
     async def authorize(request: Request) -> None:
         key = settings.api_key
@@ -61,7 +63,7 @@ def create_app(
 
     @app.exception_handler(RequestError)
     async def _request_error(request: Request, exc: RequestError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status)
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
@@ -93,6 +95,29 @@ def create_app(
         return server.metrics_text()
 
     return app
+
+
+def _openapi(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's schema plus the request bodies of the generation routes (their handlers
+    read the raw body, so FastAPI cannot see the models): clients and schema-driven
+    fuzzers (schemathesis) get the real request shapes."""
+    if app.openapi_schema is not None:
+        return app.openapi_schema
+    schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+    components = schema.setdefault("components", {}).setdefault("schemas", {})
+    for path, endpoint in (("/v1/completions", "completions"), ("/v1/chat/completions", "chat")):
+        model = REQUEST_MODELS[endpoint]
+        body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        components.update(body.pop("$defs", {}))
+        components[model.__name__] = body
+        schema["paths"][path]["post"]["requestBody"] = {
+            "required": True,
+            "content": {
+                "application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}
+            },
+        }
+    app.openapi_schema = schema
+    return schema
 
 
 def settings_from_args(args: Any, env: Mapping[str, str] | None = None) -> ServerSettings:

@@ -21,7 +21,7 @@ import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from proxy.backend.base import Target, TargetError
-from proxy.backend.vllm import VLLMHttp, VLLMTarget
+from proxy.backend.vllm import RetryPolicy, VLLMHttp, VLLMTarget
 from proxy.backend.vllm_tokens import VLLMTokens
 from proxy.config import PROXY_DEFAULT_DRAFTER, ServerSettings, sampling_defaults
 from proxy.decoding import Detokenize
@@ -186,7 +186,8 @@ class Service:
         if self.upstream is None:
             return True, {"status": "ok", "mode": self.mode}
         try:
-            response = await self.upstream.client.get("/health", timeout=5.0)
+            # Short: /health must turn unhealthy within seconds of the upstream dying.
+            response = await self.upstream.client.get("/health", timeout=2.0)
         except Exception as exc:  # any failure to reach it means "unhealthy"
             return False, {
                 "status": "unhealthy",
@@ -281,15 +282,6 @@ async def _build_proxy(
         raise FileNotFoundError(
             f"tokenizer directory {tokenizer_dir} not found (no tokenizer_config.json)"
         )
-    if transport is None:
-        # Pooled connections expire before vLLM's own keep-alive timeout (uvicorn's 5 s,
-        # VLLM_HTTP_TIMEOUT_KEEP_ALIVE): reusing one the server has just closed fails
-        # the request with a ReadError.
-        transport = httpx.AsyncHTTPTransport(
-            limits=httpx.Limits(
-                max_connections=64, max_keepalive_connections=64, keepalive_expiry=2.0
-            )
-        )
     try:
         target = await VLLMTarget.connect(
             settings.target_url,
@@ -299,6 +291,11 @@ async def _build_proxy(
             api_key=settings.upstream_api_key,
             connect_timeout=settings.connect_timeout,
             read_timeout=settings.read_timeout,
+            retry=RetryPolicy(
+                max_retries=settings.max_retries,
+                backoff_s=settings.retry_backoff,
+                max_backoff_s=settings.max_retry_backoff,
+            ),
             transport=transport,
         )
     except ValueError as exc:

@@ -8,19 +8,27 @@ another model than the one DDTree verifies against. Errors follow OpenAI's shape
 upstream failure is a 502 (504 on timeout), or mid-stream an error event then [DONE].
 Tokens reach the client only after the target verified them, so a failure can cut a
 response short but never emit a wrong or duplicated token.
+
+Hardening (docs/RELIABILITY.md): bodies over `max_body_bytes` get a 413; at most
+`max_active` generations run and `max_queue` wait, beyond which a 429 with Retry-After;
+each generation has a deadline (`request_timeout`: 504, or mid-stream an error event);
+a client that goes away mid-stream cancels its generation at once.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import logging
-from typing import Any, AsyncIterator
+from contextlib import aclosing
+from typing import Any, AsyncIterator, Callable
 
 import httpx
 from fastapi import Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.types import Receive, Scope, Send
 
 from proxy.api import REQUEST_MODELS, Endpoint, RequestError, error_body
 from proxy.backend.base import TargetError
@@ -45,12 +53,17 @@ class Serving:
         self._service = service
         self._owns_service = False
         self.metrics = ServerMetrics()
+        self.admission = Admission(settings.max_active, settings.max_queue, self.metrics)
 
     async def start(self, transport: httpx.AsyncBaseTransport | None = None) -> None:
         """Build the service unless one was given (so it lives in the server's loop)."""
         if self._service is None:
             self._service = await build_service(self.settings, transport)
             self._owns_service = True
+        upstream = self._service.upstream
+        if upstream is not None:
+            retries = self.metrics.upstream_retries
+            upstream.on_retry = lambda kind: retries.labels(kind).inc()
 
     async def stop(self) -> None:
         if self._owns_service and self._service is not None:
@@ -66,7 +79,8 @@ class Serving:
     # ----- generation -------------------------------------------------------------
 
     async def generate(self, request: Request, endpoint: Endpoint) -> Response:
-        raw = await request.body()
+        deadline = asyncio.get_running_loop().time() + self.settings.request_timeout
+        raw = await self._read_body(request)
         try:
             body = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -100,15 +114,56 @@ class Serving:
                     "has no upstream server to pass it to",
                     param=reason,
                 )
+        release = await self.admission.acquire(deadline)
         try:
-            plan = await plan_request(
-                service, self.settings, request, endpoint, parsed, disabled=disabled
-            )
+            async with asyncio.timeout_at(deadline):
+                plan = await plan_request(
+                    service, self.settings, request, endpoint, parsed, disabled=disabled
+                )
+            if plan.stream:
+                response = await self._stream(plan, deadline)
+                response.on_close = release  # the stream holds its slot until it ends
+                release = None
+                return response
+            return await self._complete(plan, deadline)
         except TargetError as exc:
             raise upstream_error(exc, self.metrics) from None
-        if plan.stream:
-            return await self._stream(plan)
-        return await self._complete(plan)
+        except TimeoutError:
+            raise self._deadline_error() from None
+        finally:
+            if release is not None:
+                release()
+
+    async def _read_body(self, request: Request) -> bytes:
+        """The body, or a 413 as soon as it is known to pass `max_body_bytes`."""
+        limit = self.settings.max_body_bytes
+        too_large = RequestError(
+            f"request body is larger than the limit of {limit} bytes",
+            status=413,
+            err_type="request_too_large",
+        )
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            self.metrics.rejected.labels("body_too_large").inc()
+            raise too_large
+        chunks: list[bytes] = []
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                self.metrics.rejected.labels("body_too_large").inc()
+                raise too_large
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    def _deadline_error(self) -> RequestError:
+        self.metrics.deadline_exceeded.inc()
+        return RequestError(
+            f"request deadline of {self.settings.request_timeout:g} s exceeded "
+            "(server setting request_timeout)",
+            status=504,
+            err_type="timeout_error",
+        )
 
     async def _rounds(self, plan: Plan, stats: GenerationStats) -> AsyncIterator[Delta]:
         """The decoding loop, recording per-round metrics as it goes."""
@@ -174,14 +229,14 @@ class Serving:
             )
         return None
 
-    async def _complete(self, plan: Plan) -> Response:
+    async def _complete(self, plan: Plan, deadline: float) -> Response:
         stats = GenerationStats()
         token_ids: list[int] = []
         logprobs: list[float] = []
         text = ""
         finish_reason = "length"
-        try:
-            async for delta in self._rounds(plan, stats):
+        async with asyncio.timeout_at(deadline), aclosing(self._rounds(plan, stats)) as rounds:
+            async for delta in rounds:
                 token_ids.extend(delta.token_ids)
                 logprobs.extend(delta.logprobs or [])
                 text += delta.text
@@ -192,8 +247,6 @@ class Serving:
                 if plan.writer.want_logprobs
                 else []
             )
-        except TargetError as exc:
-            raise upstream_error(exc, self.metrics) from None
         self.metrics.requests.labels(plan.endpoint, "ddtree").inc()
         usage = usage_body(len(plan.generation.prompt_ids), len(token_ids), stats)
         body = plan.writer.response(
@@ -208,26 +261,32 @@ class Serving:
         )
         return JSONResponse(body)
 
-    async def _stream(self, plan: Plan) -> Response:
+    async def _stream(self, plan: Plan, deadline: float) -> "_ClosingStream":
         stats = GenerationStats()
         rounds = self._rounds(plan, stats)
         # The first round runs before the response starts, so a request that fails
         # at once (upstream down, bad prompt) gets a real HTTP error status.
         try:
-            first = await anext(rounds)
-        except TargetError as exc:
-            await rounds.aclose()
-            raise upstream_error(exc, self.metrics) from None
+            async with asyncio.timeout_at(deadline):
+                first = await anext(rounds)
         except ValueError as exc:
             await rounds.aclose()
             raise RequestError(str(exc)) from None
+        except BaseException:
+            await rounds.aclose()
+            raise
         self.metrics.requests.labels(plan.endpoint, "ddtree").inc()
-        return StreamingResponse(
-            self._events(plan, stats, first, rounds), media_type="text/event-stream"
+        return _ClosingStream(
+            self._events(plan, stats, first, rounds, deadline), media_type="text/event-stream"
         )
 
     async def _events(
-        self, plan: Plan, stats: GenerationStats, first: Delta, rounds: AsyncIterator[Delta]
+        self,
+        plan: Plan,
+        stats: GenerationStats,
+        first: Delta,
+        rounds: AsyncIterator[Delta],
+        deadline: float,
     ) -> AsyncIterator[bytes]:
         writer = plan.writer
         prompt_ids = plan.generation.prompt_ids
@@ -270,12 +329,20 @@ class Serving:
                         )
                     )
                     sent_prompt_ids = True
-                delta = await anext(rounds, None)
+                async with asyncio.timeout_at(deadline):
+                    delta = await anext(rounds, None)
             if plan.include_usage:
                 yield sse(writer.usage_chunk(usage_body(len(prompt_ids), num_tokens, stats)))
         except TargetError as exc:
             error = upstream_error(exc, self.metrics)
             yield sse(error.body())
+        except TimeoutError:
+            yield sse(self._deadline_error().body())
+        except asyncio.CancelledError:
+            # The client went away (Starlette cancels the stream on http.disconnect):
+            # the generation stops here, mid-round, with no further upstream call.
+            self.metrics.client_disconnects.inc()
+            raise
         except Exception as exc:  # the stream has started: report, then end it cleanly
             logger.exception("generation failed mid-stream")
             yield sse(error_body(f"internal error: {exc}", "internal_error", 500))
@@ -331,3 +398,61 @@ class Serving:
 
     def metrics_text(self) -> Response:
         return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+class _ClosingStream(StreamingResponse):
+    """A streaming response that calls `on_close` when it is done with, however it ends
+    (finished, failed, client gone, or never started)."""
+
+    on_close: Callable[[], None] | None = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            if self.on_close is not None:
+                self.on_close()
+
+
+class Admission:
+    """At most `max_active` generations at once and `max_queue` more waiting for a slot;
+    beyond that a request is refused at once with 429 and Retry-After, so a burst costs
+    a bounded amount of memory instead of an unbounded queue."""
+
+    def __init__(self, max_active: int, max_queue: int, metrics: ServerMetrics):
+        self.max_active = max_active
+        self.max_queue = max_queue
+        self.metrics = metrics
+        self._slots = asyncio.Semaphore(max_active)
+        self._num_waiting = 0
+
+    async def acquire(self, deadline: float) -> Callable[[], None]:
+        """Wait for a slot (until `deadline`: TimeoutError); returns its idempotent release."""
+        if self._slots.locked() and self._num_waiting >= self.max_queue:
+            self.metrics.rejected.labels("queue_full").inc()
+            raise RequestError(
+                f"server busy: {self.max_active} requests running and {self._num_waiting} "
+                "waiting (server settings max_active, max_queue); retry later",
+                status=429,
+                err_type="rate_limit_exceeded",
+                headers={"Retry-After": "1"},
+            )
+        self._num_waiting += 1
+        self.metrics.queued.inc()
+        try:
+            async with asyncio.timeout_at(deadline):
+                await self._slots.acquire()
+        finally:
+            self._num_waiting -= 1
+            self.metrics.queued.dec()
+        self.metrics.active.inc()
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                self._slots.release()
+                self.metrics.active.dec()
+
+        return release

@@ -27,9 +27,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Sequence
+from typing import Any, Callable, Literal, Sequence
 
 import httpx
 import numpy as np
@@ -40,10 +41,51 @@ from proxy.tree import DraftTree, WalkResult
 
 Strategy = Literal["nodes", "paths"]
 STRATEGIES: tuple[str, ...] = ("nodes", "paths")
+KEEPALIVE_EXPIRY_S = 2.0  # < vLLM's (uvicorn's) 5 s keep-alive timeout
+
+
+# Upstream statuses worth another try: overload and server-side failures. A 4xx is the
+# request's own fault and would fail again.
+RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """Retries of idempotent upstream calls. Verification calls are idempotent: greedy
+    answers are deterministic, seeded ones are seeded per node, and an unseeded draw
+    whose answer never arrived was never used, so a fresh draw is just as valid."""
+
+    max_retries: int = 4  # attempts = max_retries + 1
+    backoff_s: float = 0.05  # before the first retry; doubles each time
+    max_backoff_s: float = 1.0
+
+    def delay(self, retry_idx: int, rng: random.Random) -> float:
+        """Backoff before retry `retry_idx` (0-based), with jitter in [50%, 100%]."""
+        base = min(self.max_backoff_s, self.backoff_s * 2**retry_idx)
+        return base * (0.5 + 0.5 * rng.random())
+
+
+class UpstreamFailure(TargetError):
+    """A failed upstream call; `kind` says how (timeout, connect, network, http,
+    malformed) and `status` carries the upstream's HTTP status for kind "http"."""
+
+    def __init__(self, message: str, kind: str, status: int | None = None):
+        super().__init__(message)
+        self.kind = kind
+        self.status = status
+
+    @property
+    def retriable(self) -> bool:
+        return self.kind != "http" or self.status in RETRY_STATUSES
 
 
 class VLLMHttp:
-    """A pooled keep-alive client for one vLLM server; maps every failure to TargetError."""
+    """A pooled keep-alive client for one vLLM server; maps every failure to TargetError.
+
+    `request_json` retries idempotent calls (`retry=True`) on connection failures,
+    timeouts, 429/5xx answers and malformed JSON, with bounded exponential backoff;
+    `on_retry(kind)` is called before each retry (the server counts them).
+    """
 
     def __init__(
         self,
@@ -53,39 +95,74 @@ class VLLMHttp:
         connect_timeout: float = 5.0,
         read_timeout: float = 120.0,
         max_connections: int = 64,
+        retry: RetryPolicy | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         self.base_url = base_url.rstrip("/")
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        if transport is None:
+            # Pooled connections expire before vLLM's own keep-alive timeout (uvicorn's
+            # 5 s): reusing one the server has just closed fails with a ReadError.
+            transport = httpx.AsyncHTTPTransport(
+                limits=httpx.Limits(
+                    max_connections=max_connections,
+                    max_keepalive_connections=max_connections,
+                    keepalive_expiry=KEEPALIVE_EXPIRY_S,
+                )
+            )
         self.client = httpx.AsyncClient(
             base_url=self.base_url,
             headers=headers,
             timeout=httpx.Timeout(read_timeout, connect=connect_timeout),
-            limits=httpx.Limits(
-                max_connections=max_connections, max_keepalive_connections=max_connections
-            ),
             transport=transport,
         )
+        self.retry = retry or RetryPolicy()
+        self.on_retry: Callable[[str], None] | None = None
+        self._rng = random.Random()
 
-    async def request_json(self, method: str, path: str, body: Any = None) -> Any:
-        """Send one request; return the decoded JSON body or raise TargetError."""
+    async def request_json(
+        self, method: str, path: str, body: Any = None, *, retry: bool = True
+    ) -> Any:
+        """Send one request; return the decoded JSON body or raise TargetError (an
+        UpstreamFailure) after the last attempt."""
+        attempts = self.retry.max_retries + 1 if retry else 1
+        for attempt in range(attempts):
+            try:
+                return await self._request_once(method, path, body)
+            except UpstreamFailure as exc:
+                if attempt + 1 == attempts or not exc.retriable:
+                    if attempt:
+                        exc.args = (f"{exc.args[0]} (after {attempt + 1} attempts)",)
+                    raise
+                if self.on_retry is not None:
+                    self.on_retry(exc.kind)
+                await asyncio.sleep(self.retry.delay(attempt, self._rng))
+        raise AssertionError("unreachable")
+
+    async def _request_once(self, method: str, path: str, body: Any) -> Any:
         where = f"vLLM {method} {self.base_url}{path}"
         try:
             response = await self.client.request(method, path, json=body)
         except httpx.TimeoutException as exc:
-            raise TargetError(f"{where} timed out ({type(exc).__name__})") from exc
+            raise UpstreamFailure(f"{where} timed out ({type(exc).__name__})", "timeout") from exc
         except httpx.ConnectError as exc:
-            raise TargetError(f"{where}: cannot connect ({exc})") from exc
+            raise UpstreamFailure(f"{where}: cannot connect ({exc})", "connect") from exc
         except httpx.HTTPError as exc:
-            raise TargetError(f"{where} failed: {type(exc).__name__}: {exc}") from exc
+            raise UpstreamFailure(
+                f"{where} failed: {type(exc).__name__}: {exc}", "network"
+            ) from exc
         if response.status_code != 200:
-            raise TargetError(
-                f"{where} returned HTTP {response.status_code}: {response.text[:500]}"
+            raise UpstreamFailure(
+                f"{where} returned HTTP {response.status_code}: {response.text[:500]}",
+                "http",
+                response.status_code,
             )
         try:
             return response.json()
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise TargetError(f"{where} returned malformed JSON: {response.text[:200]!r}") from exc
+            raise UpstreamFailure(
+                f"{where} returned malformed JSON: {response.text[:200]!r}", "malformed"
+            ) from exc
 
     async def aclose(self) -> None:
         await self.client.aclose()
@@ -171,6 +248,7 @@ class VLLMTarget:
         connect_timeout: float = 5.0,
         read_timeout: float = 120.0,
         block_size: int = 32,
+        retry: RetryPolicy | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> VLLMTarget:
         """Query ``/v1/models`` and build the target.
@@ -186,6 +264,7 @@ class VLLMTarget:
             api_key=api_key,
             connect_timeout=connect_timeout,
             read_timeout=read_timeout,
+            retry=retry,
             transport=transport,
         )
         try:

