@@ -1,0 +1,92 @@
+"""Train both drafters against the frozen target, sharing one target forward per batch.
+
+Per batch of corpus windows the target runs once (no gradients) and yields
+* its hidden states at the DFlash `target_layer_ids` -- the drafter's context, and
+* its next-token distribution at every position -- the label of both drafters
+  (see `dflash_objective` for why the target's distribution, not the corpus token).
+The DFlash drafter then takes one step of the block-diffusion objective, and the
+autoregressive drafter one step of next-token cross-entropy against the same
+distributions (plain distillation). The target's embeddings and lm_head, which the
+DFlash drafter uses as its own, stay frozen.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from proxy.drafter.dflash_model import DFlashDraftModel, select_target_features
+from proxy.training.corpus import WindowSampler
+from proxy.training.dflash_objective import (
+    dflash_loss,
+    draft_block_logits,
+    gather_positions,
+    sample_anchors,
+    teacher_positions,
+)
+from proxy.training.lm import make_optimizer, run_steps
+
+
+def train_drafters(
+    target: torch.nn.Module,
+    dflash: DFlashDraftModel,
+    ar: torch.nn.Module,
+    sampler: WindowSampler,
+    num_steps: int,
+    num_anchors: int,
+    dflash_lr: float,
+    ar_lr: float,
+    warmup_steps: int,
+    weight_decay: float,
+    seed: int,
+) -> list[dict[str, float]]:
+    target.eval().requires_grad_(False)
+    dflash.train()
+    ar.train()
+    config = dflash.config
+    embed_tokens, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
+    optimizers = [
+        make_optimizer([dflash], dflash_lr, weight_decay),
+        make_optimizer([ar], ar_lr, weight_decay),
+    ]
+    anchor_generator = torch.Generator().manual_seed(seed)
+
+    def step_fn(step: int) -> dict[str, float]:
+        input_ids = sampler.next_batch()  # [B, S]
+        batch_size, seq_len = input_ids.shape
+        with torch.no_grad():
+            out = target(input_ids=input_ids, output_hidden_states=True)
+            features = select_target_features(out.hidden_states, config.target_layer_ids)
+            teacher_probs = F.softmax(out.logits.float(), dim=-1)  # [B, S, V]
+
+        anchors = sample_anchors(
+            batch_size, seq_len, num_anchors, config.block_size, anchor_generator
+        )
+        draft_logits = draft_block_logits(
+            dflash, embed_tokens, lm_head, features, input_ids, anchors, config.mask_token_id
+        )  # [B, N, bs, V]
+        labels = gather_positions(teacher_probs, teacher_positions(anchors, config.block_size))
+        loss_dflash = dflash_loss(draft_logits, labels)
+        loss_dflash.backward()
+        with torch.no_grad():
+            depth1 = (draft_logits[:, :, 1].argmax(-1) == labels[:, :, 1].argmax(-1)).float()
+
+        ar_logprobs = F.log_softmax(ar(input_ids=input_ids).logits.float(), dim=-1)
+        loss_ar = -(teacher_probs * ar_logprobs).sum(-1).mean()
+        loss_ar.backward()
+        return {
+            "dflash": loss_dflash.item(),
+            "acc1": depth1.mean().item(),
+            "ar": loss_ar.item(),
+        }
+
+    clip = [
+        [p for p in dflash.parameters() if p.requires_grad],
+        [p for p in ar.parameters() if p.requires_grad],
+    ]
+    history = run_steps(
+        step_fn, optimizers, [dflash_lr, ar_lr], num_steps, warmup_steps, "drafters", clip
+    )
+    dflash.eval()
+    ar.eval()
+    return history
