@@ -48,7 +48,7 @@ from proxy.training.corpus import (
     split_heldout,
     stdlib_root,
 )
-from proxy.training.distill import train_drafters
+from proxy.training.distill import DrafterStage, train_drafters
 from proxy.training.evaluate import evaluate_family, slice_windows
 from proxy.training.lm import train_causal_lm
 
@@ -81,7 +81,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--target-hidden", type=int, default=192)
     parser.add_argument("--target-heads", type=int, default=3)
     parser.add_argument("--target-kv-heads", type=int, default=1)
-    parser.add_argument("--target-steps", type=int, default=200)
+    parser.add_argument("--target-steps", type=int, default=180)
     parser.add_argument("--target-lr", type=float, default=2e-3)
     parser.add_argument(
         "--bigram-steps", type=int, default=40, help="full-batch steps of the bigram init"
@@ -95,12 +95,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="how many target layers feed the drafter (z-lab's spacing)",
     )
     parser.add_argument("--block-size", type=int, default=8)
-    parser.add_argument("--num-anchors", type=int, default=96, help="blocks per window")
+    parser.add_argument(
+        "--drafter-seq-lens",
+        type=int,
+        nargs="+",
+        default=[32, 128, 512],
+        help="window length of each drafter stage (a curriculum, see proxy/training/distill.py)",
+    )
+    parser.add_argument("--drafter-batch-sizes", type=int, nargs="+", default=[32, 8, 4])
+    parser.add_argument(
+        "--drafter-anchors", type=int, nargs="+", default=[16, 64, 96], help="blocks per window"
+    )
+    parser.add_argument("--drafter-steps", type=int, nargs="+", default=[100, 60, 60])
     parser.add_argument("--dflash-lr", type=float, default=3e-3)
     parser.add_argument("--ar-layers", type=int, default=2)
     parser.add_argument("--ar-hidden", type=int, default=128)
     parser.add_argument("--ar-lr", type=float, default=3e-3)
-    parser.add_argument("--drafter-steps", type=int, default=120)
     parser.add_argument("--warmup-steps", type=int, default=20)
     parser.add_argument("--weight-decay", type=float, default=0.1)
     # evaluation
@@ -146,6 +156,18 @@ def dir_size_mb(path: Path) -> float:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    stage_args = (
+        args.drafter_seq_lens,
+        args.drafter_batch_sizes,
+        args.drafter_anchors,
+        args.drafter_steps,
+    )
+    if len({len(values) for values in stage_args}) != 1:
+        raise ValueError(
+            "--drafter-seq-lens, --drafter-batch-sizes, --drafter-anchors and "
+            "--drafter-steps need one value per stage each"
+        )
+    drafter_stages = list(zip(*stage_args, strict=True))
     # Before any work: a fixed thread count makes float reductions, hence the trained
     # weights, reproducible on one machine.
     os.environ.setdefault("RAYON_NUM_THREADS", str(args.threads))
@@ -248,14 +270,19 @@ def main(argv: list[str] | None = None) -> None:
     apply_bigram_init(
         ar, *fit_bigram_factors(counts, args.ar_hidden, args.bigram_steps, seed=args.seed)
     )
-    drafter_sampler = WindowSampler(train_stream, args.seq_len, args.batch_size, args.seed + 3)
+    stages = [
+        DrafterStage(
+            WindowSampler(train_stream, seq_len, batch_size, seed=args.seed + 3 + stage_idx),
+            num_steps,
+            num_anchors,
+        )
+        for stage_idx, (seq_len, batch_size, num_anchors, num_steps) in enumerate(drafter_stages)
+    ]
     drafter_history = train_drafters(
         target,
         dflash,
         ar,
-        drafter_sampler,
-        args.drafter_steps,
-        args.num_anchors,
+        stages,
         args.dflash_lr,
         args.ar_lr,
         args.warmup_steps,
@@ -327,7 +354,10 @@ def main(argv: list[str] | None = None) -> None:
         },
         "training": {
             "target_tokens_seen": args.target_steps * args.batch_size * args.seq_len,
-            "drafter_tokens_seen": args.drafter_steps * args.batch_size * args.seq_len,
+            "drafter_tokens_seen": sum(
+                seq_len * batch_size * num_steps
+                for seq_len, batch_size, _, num_steps in drafter_stages
+            ),
             "target_final_loss": sum(h["loss"] for h in target_history[-20:]) / 20,
             "dflash_final_loss": sum(h["dflash"] for h in drafter_history[-20:]) / 20,
             "ar_final_loss": sum(h["ar"] for h in drafter_history[-20:]) / 20,

@@ -23,6 +23,23 @@ def _accuracy_table(metrics: dict) -> str:
     return "\n".join([header, rule, *rows])
 
 
+def _stage_table(hp: dict) -> str:
+    rows = [
+        "   | stage | window | batch | DFlash blocks per window | steps |",
+        "   |---|---|---|---|---|",
+    ]
+    stages = zip(
+        hp["drafter_seq_lens"],
+        hp["drafter_batch_sizes"],
+        hp["drafter_anchors"],
+        hp["drafter_steps"],
+        strict=True,
+    )
+    for stage_idx, (seq_len, batch_size, anchors, steps) in enumerate(stages, start=1):
+        rows.append(f"   | {stage_idx} | {seq_len} | {batch_size} | {anchors} | {steps} |")
+    return "\n".join(rows)
+
+
 def render_card(metrics: dict) -> str:
     hp, sizes, corpus = metrics["hparams"], metrics["sizes"], metrics["corpus"]
     heldout, slice_, timings = metrics["heldout"], metrics["slice"], metrics["timings_s"]
@@ -101,11 +118,15 @@ Seed {metrics["seed"]}, torch intra-op threads fixed at {metrics["threads"]},
    AdamW (betas 0.9/0.95, weight decay {hp["weight_decay"]}), peak LR {hp["target_lr"]},
    {hp["warmup_steps"]} warm-up steps then cosine to a tenth. Final training loss
    {training["target_final_loss"]:.3f} nats.
-4. **Drafters**, against the frozen target, {hp["drafter_steps"]} steps of the same
-   window sampling ({training["drafter_tokens_seen"]} tokens), one target forward per batch
-   feeding both:
+4. **Drafters**, against the frozen target, one target forward per batch feeding
+   both, in stages of growing window length ({training["drafter_tokens_seen"]} tokens in all;
+   a fresh DFlash drafter learns where to attend far faster over short contexts, see
+   `proxy/training/distill.py`):
+
+{_stage_table(hp)}
+
    * DFlash: block-diffusion objective (public DFlash recipes: SpecForge, NVIDIA
-     Model-Optimizer): {hp["num_anchors"]} random anchors per window; each block = the
+     Model-Optimizer): random anchors per window (table above); each block = the
      anchor token + {hp["block_size"] - 1} `<|mask|>` tokens at positions anchor..anchor+{hp["block_size"] - 1},
      attending to the target features of positions before the anchor and,
      bidirectionally, to its own block; cross-entropy at the masked positions with
