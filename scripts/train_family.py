@@ -51,8 +51,10 @@ from proxy.training.corpus import (
 from proxy.training.distill import DrafterStage, train_drafters
 from proxy.training.evaluate import evaluate_family, slice_windows
 from proxy.training.lm import train_causal_lm
+from proxy.training.rollouts import RowSampler, greedy_rollouts, sample_prefixes
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+ROLLOUT_BATCH = 32  # sequences decoded together when generating rollouts
 
 # THREADS_NOTE: one intra-op thread by default. The weights depend on the thread count
 # (float reduction order), so it is fixed and recorded; and on a 2-core machine shared
@@ -106,7 +108,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--drafter-anchors", type=int, nargs="+", default=[16, 64, 96], help="blocks per window"
     )
-    parser.add_argument("--drafter-steps", type=int, nargs="+", default=[100, 60, 60])
+    parser.add_argument("--drafter-steps", type=int, nargs="+", default=[100, 60, 40])
+    parser.add_argument(
+        "--rollout-prefix-len", type=int, default=256, help="corpus tokens before a rollout"
+    )
+    parser.add_argument("--rollout-new-tokens", type=int, default=256)
+    parser.add_argument("--rollout-count", type=int, default=96, help="rollouts to train on")
+    parser.add_argument("--rollout-batch-size", type=int, default=4)
+    parser.add_argument("--rollout-anchors", type=int, default=96)
+    parser.add_argument(
+        "--rollout-steps", type=int, default=50, help="last drafter stage: target rollouts"
+    )
+    parser.add_argument(
+        "--drafter-labels",
+        choices=("greedy", "soft"),
+        default="greedy",
+        help="drafters learn the target's argmax (what T=0 accepts) or its distribution",
+    )
     parser.add_argument("--dflash-lr", type=float, default=3e-3)
     parser.add_argument("--ar-layers", type=int, default=2)
     parser.add_argument("--ar-hidden", type=int, default=128)
@@ -117,6 +135,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--heldout-anchor-stride", type=int, default=4)
     parser.add_argument("--slice-files", type=int, default=6)
     parser.add_argument("--slice-max-tokens", type=int, default=384)
+    parser.add_argument(
+        "--heldout-rollouts", type=int, default=16, help="held-out prefixes continued greedily"
+    )
+    parser.add_argument("--heldout-rollout-tokens", type=int, default=128)
     return parser.parse_args(argv)
 
 
@@ -135,6 +157,20 @@ def slice_texts(tokenizer, texts: list[str], max_tokens: int) -> list[str]:
             end += 1
         pieces.append("".join(lines[start:end]))
     return pieces
+
+
+def recipe_args(argv: list[str]) -> list[str]:
+    """The command-line arguments without --out: where the files go does not change
+    them, so the recorded command is the same for a staging directory."""
+    kept, skip_next = [], False
+    for arg in argv:
+        if skip_next:
+            skip_next = False
+        elif arg == "--out":
+            skip_next = True
+        elif not arg.startswith("--out="):
+            kept.append(arg)
+    return kept
 
 
 def cpu_name() -> str:
@@ -278,6 +314,19 @@ def main(argv: list[str] | None = None) -> None:
         )
         for stage_idx, (seq_len, batch_size, num_anchors, num_steps) in enumerate(drafter_stages)
     ]
+    rollouts = torch.zeros(0, 0, dtype=torch.long)
+    if args.rollout_steps:
+        prefixes = sample_prefixes(
+            train_stream, args.rollout_prefix_len, args.rollout_count, seed=args.seed + 5
+        )
+        rollouts = greedy_rollouts(target, prefixes, args.rollout_new_tokens, ROLLOUT_BATCH)
+        stages.append(
+            DrafterStage(
+                RowSampler(rollouts, args.rollout_batch_size, seed=args.seed + 6),
+                args.rollout_steps,
+                args.rollout_anchors,
+            )
+        )
     drafter_history = train_drafters(
         target,
         dflash,
@@ -288,6 +337,7 @@ def main(argv: list[str] | None = None) -> None:
         args.warmup_steps,
         args.weight_decay,
         seed=args.seed + 4,
+        labels=args.drafter_labels,
     )
     save_checkpoint(dflash, dflash_dir)
     ar.save_pretrained(str(ar_dir), safe_serialization=True)
@@ -299,6 +349,17 @@ def main(argv: list[str] | None = None) -> None:
     )
     texts = slice_texts(tokenizer, heldout_texts[: args.slice_files], args.slice_max_tokens)
     slice_metrics = evaluate_family(target, dflash, slice_windows(hf_tokenizer, texts, eos_id))
+    # Held-out prefixes continued by the target itself: what temperature-0 decoding
+    # verifies. Blocks are rooted in the generated part only.
+    long_windows = [w for w in heldout_windows if len(w) >= args.rollout_prefix_len]
+    picks = torch.linspace(0, len(long_windows) - 1, args.heldout_rollouts).long().tolist()
+    heldout_prefixes = torch.stack([long_windows[idx][: args.rollout_prefix_len] for idx in picks])
+    heldout_rollouts = greedy_rollouts(
+        target, heldout_prefixes, args.heldout_rollout_tokens, ROLLOUT_BATCH
+    )
+    rollout_metrics = evaluate_family(
+        target, dflash, list(heldout_rollouts), first_anchor=args.rollout_prefix_len, ar=ar
+    )
     tick = lap("evaluation", tick)
     timings["total"] = round(time.perf_counter() - started, 1)
     cpu_timings["total"] = round(time.process_time() - cpu_started, 1)
@@ -319,7 +380,7 @@ def main(argv: list[str] | None = None) -> None:
         + "\n"
     )
     command = "python scripts/train_family.py " + shlex.join(
-        argv if argv is not None else sys.argv[1:]
+        recipe_args(argv if argv is not None else sys.argv[1:])
     )
     metrics = {
         "command": command.strip(),
@@ -357,13 +418,15 @@ def main(argv: list[str] | None = None) -> None:
             "drafter_tokens_seen": sum(
                 seq_len * batch_size * num_steps
                 for seq_len, batch_size, _, num_steps in drafter_stages
-            ),
+            )
+            + args.rollout_steps * args.rollout_batch_size * rollouts.shape[1],
             "target_final_loss": sum(h["loss"] for h in target_history[-20:]) / 20,
             "dflash_final_loss": sum(h["dflash"] for h in drafter_history[-20:]) / 20,
             "ar_final_loss": sum(h["ar"] for h in drafter_history[-20:]) / 20,
         },
         "heldout": heldout.to_dict() | {"anchor_stride": args.heldout_anchor_stride},
         "slice": slice_metrics.to_dict() | {"anchor_stride": 1},
+        "heldout_rollouts": rollout_metrics.to_dict() | {"anchor_stride": 1},
     }
     (out / "metrics.json").write_text(json.dumps(metrics, indent=1) + "\n")
     (out / "MODEL_CARD.md").write_text(render_card(metrics))

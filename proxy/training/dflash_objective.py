@@ -15,11 +15,19 @@ through the drafter in one forward, kept apart by the attention mask.
 
 The loss at depth j is a cross-entropy weighted by exp(-(j - 1) / decay) (decay 4.0,
 as in the public DFlash recipes): early depths decide whether later ones are ever
-reached, so they matter most. The label of depth j is, by our choice, the frozen
-target's own next-token distribution at position a + j - 1 (teacher-forced on the
-corpus text) rather than the one-hot corpus token: speculative decoding accepts what
-the *target* would emit, and for depth 1 this is exactly the target's distribution
-after the root. Passing one-hot labels gives the plain recipe.
+reached, so they matter most. The label of depth j comes from the frozen target at
+position a + j - 1 (teacher-forced on the text), not from the corpus token: speculative
+decoding accepts what the *target* emits. `distill.train_drafters` offers two labels:
+
+* `greedy` (default): one-hot of the target's argmax -- exactly the token a
+  temperature-0 verifier accepts. The drafter's probabilities then estimate
+  P(target's greedy token = x), which is what DDTree's best-first heap ranks nodes by.
+* `soft`: the target's whole next-token distribution (plain distillation). Its
+  probabilities are flatter than P(argmax = x): the target's top token carries, say,
+  0.4 of its own softmax yet is the argmax every time. On the pycoder family the soft
+  drafter spread DDTree's budget over siblings it did not need (engine tau at budget
+  32 only 1.16x the chain's on HumanEval, against 1.33x with the same drafter's
+  logits sharpened by 1/0.7) -- the mismatch that made us switch.
 """
 
 from __future__ import annotations
@@ -129,6 +137,13 @@ def dflash_loss(
     per_position = -(teacher_probs * F.log_softmax(draft_logits.float(), dim=-1)).sum(-1)
     weights = depth_weights(block_size, decay)  # [bs]
     return (per_position * weights).sum() / (weights.sum() * math.prod(per_position.shape[:2]))
+
+
+def leading_hits(draft_logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """[B, N] int64: per block, how many depths from 1 on match the labels before the
+    first miss (the tokens a chain verifier would accept)."""
+    hits = draft_logits[:, :, 1:].argmax(-1) == labels[:, :, 1:]  # [B, N, bs-1]
+    return hits.long().cumprod(-1).sum(-1)
 
 
 def depth_hits(draft_logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

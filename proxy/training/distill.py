@@ -2,8 +2,9 @@
 
 Per batch of corpus windows the target runs once (no gradients) and yields
 * its hidden states at the DFlash `target_layer_ids` -- the drafter's context, and
-* its next-token distribution at every position -- the label of both drafters
-  (see `dflash_objective` for why the target's distribution, not the corpus token).
+* its next-token prediction at every position -- the label of both drafters: the
+  one-hot argmax (`labels="greedy"`, default) or the whole distribution (`"soft"`);
+  `dflash_objective` says why greedy fits temperature-0 DDTree.
 The DFlash drafter then takes one step of the block-diffusion objective, and the
 autoregressive drafter one step of next-token cross-entropy against the same
 distributions (plain distillation). The target's embeddings and lm_head, which the
@@ -16,18 +17,19 @@ over every key, so with 512 context keys the useful ones get ~1/500 of it and th
 gradient that would sharpen it is tiny. Measured here over 60 steps of 512 blocks:
 depth-1 agreement with the target reached 0.32 with 32-token windows, 0.21 with 128
 and under 0.10 with 512. Short windows first, then the long ones the drafter meets
-at inference.
+at inference, and last the target's own greedy continuations (`rollouts.py`): the
+text that temperature-0 decoding actually verifies.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
 from proxy.drafter.dflash_model import DFlashDraftModel, select_target_features
-from proxy.training.corpus import WindowSampler
 from proxy.training.dflash_objective import (
     dflash_loss,
     draft_block_logits,
@@ -38,9 +40,15 @@ from proxy.training.dflash_objective import (
 from proxy.training.lm import make_optimizer, run_steps
 
 
+class BatchSource(Protocol):
+    def next_batch(self) -> torch.Tensor:
+        """[B, S] int64 token windows."""
+        ...
+
+
 @dataclass(frozen=True)
 class DrafterStage:
-    sampler: WindowSampler  # windows of this stage's length
+    sampler: BatchSource  # corpus windows (WindowSampler) or target rollouts (RowSampler)
     num_steps: int
     num_anchors: int  # DFlash blocks per window
 
@@ -55,7 +63,11 @@ def train_drafters(
     warmup_steps: int,
     weight_decay: float,
     seed: int,
+    labels: str = "greedy",
 ) -> list[dict[str, float]]:
+    if labels not in ("greedy", "soft"):
+        raise ValueError(f"labels must be 'greedy' or 'soft', got {labels!r}")
+    label_kind = labels
     target.eval().requires_grad_(False)
     dflash.train()
     ar.train()
@@ -75,7 +87,11 @@ def train_drafters(
         with torch.no_grad():
             out = target(input_ids=input_ids, output_hidden_states=True)
             features = select_target_features(out.hidden_states, config.target_layer_ids)
-            teacher_probs = F.softmax(out.logits.float(), dim=-1)  # [B, S, V]
+            logits = out.logits.float()  # [B, S, V]
+            if label_kind == "greedy":
+                teacher_probs = F.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+            else:
+                teacher_probs = F.softmax(logits, dim=-1)
 
         anchors = sample_anchors(
             batch_size, seq_len, stage.num_anchors, config.block_size, anchor_generator
