@@ -290,6 +290,14 @@ def _series(rows: list[Row], value: str, by_strategy: bool):
     return series
 
 
+def _prompt_note(meta: Metadata) -> str:
+    note = f"{len(meta.prompts)} HumanEval prompts"
+    proxy_prompts = (meta.vllm or {}).get("num_prompts")
+    if proxy_prompts is not None and proxy_prompts != len(meta.prompts):
+        note = f"engine: {note}, proxy: the first {proxy_prompts}"
+    return f"{note}; {meta.max_tokens} tokens each"
+
+
 def write_plots(report: Report, out_dir: Path) -> list[str]:
     import matplotlib
 
@@ -331,11 +339,7 @@ def write_plots(report: Report, out_dir: Path) -> list[str]:
         ax.set_ylabel(ylabel)
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-        ax.set_title(
-            f"{ylabel} ({len(report.metadata.prompts)} HumanEval prompts, "
-            f"{report.metadata.max_tokens} tokens, CPU)",
-            fontsize=9,
-        )
+        ax.set_title(f"{ylabel} ({_prompt_note(report.metadata)}, CPU)", fontsize=9)
         fig.tight_layout()
         fig.savefig(out_dir / name, dpi=110)
         plt.close(fig)

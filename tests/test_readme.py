@@ -1,0 +1,60 @@
+"""The README's benchmark tables are copied from the committed report, not typed in:
+every row between the `benchmark-tables` markers must equal the row of
+`benchmarks/results/latest.json` with the same configuration, formatted as the report
+formats it."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from benchmarks.report import MAIN_COLUMNS, _fmt, validate_report
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+RESULTS = REPO_ROOT / "benchmarks" / "results"
+KEY_COLUMNS = ("mode", "tree", "drafter", "strategy", "budget")
+
+
+def _readme_rows() -> tuple[list[str], list[list[str]]]:
+    text = (REPO_ROOT / "README.md").read_text()
+    match = re.search(
+        r"<!-- benchmark-tables:start -->(.*?)<!-- benchmark-tables:end -->", text, re.S
+    )
+    assert match, "README.md lost its benchmark-tables markers"
+    header: list[str] = []
+    rows = []
+    for line in match.group(1).splitlines():
+        if not line.startswith("|") or line.startswith("|---"):
+            continue
+        cells = [cell.strip() for cell in line.strip("|").split("|")]
+        if cells[0] == "mode":
+            assert not header or header == cells, "all README benchmark tables share columns"
+            header = cells
+        else:
+            rows.append(cells)
+    return header, rows
+
+
+def test_readme_benchmark_rows_match_the_committed_report():
+    report = validate_report(RESULTS / "latest.json")
+    title_to_column = {title: (key, digits) for key, title, digits in MAIN_COLUMNS}
+    header, readme_rows = _readme_rows()
+    assert len(readme_rows) >= 10
+    assert header[: len(KEY_COLUMNS)] == ["mode", "tree", "drafter", "strategy", "B"]
+    by_key = {}
+    for row in report.rows:
+        data = row.model_dump()
+        by_key[tuple(_fmt(data.get(key), 0) for key in KEY_COLUMNS)] = data
+    for cells in readme_rows:
+        data = by_key.get(tuple(cells[: len(KEY_COLUMNS)]))
+        assert data is not None, f"README row {cells} is not in the report"
+        for title, cell in zip(header, cells, strict=True):
+            key, digits = title_to_column[title]
+            assert cell == _fmt(data.get(key), digits), (cells, title)
+
+
+def test_readme_plots_are_the_reports():
+    text = (REPO_ROOT / "README.md").read_text()
+    for name in ("tau_vs_budget.png", "speedup_vs_budget.png"):
+        assert f"(benchmarks/results/{name})" in text
+        assert (RESULTS / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
