@@ -280,12 +280,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--report", type=Path, default=Path("load_report.json"))
     args = parser.parse_args(argv)
-    model = args.model or httpx.get(args.vllm_url + "/v1/models", timeout=30).json()["data"][0]["id"]
+    model = (
+        args.model or httpx.get(args.vllm_url + "/v1/models", timeout=30).json()["data"][0]["id"]
+    )
 
     def load(url: str, pid: int) -> LoadReport:
         return asyncio.run(
-            run_load(url, pid, args.vllm_url, model, args.clients, args.duration,
-                     args.max_tokens, args.prompts, args.seed)  # fmt: skip
+            run_load(
+                url,
+                pid,
+                args.vllm_url,
+                model,
+                args.clients,
+                args.duration,
+                args.max_tokens,
+                args.prompts,
+                args.seed,
+            )  # fmt: skip
         )
 
     if args.proxy_url is not None:

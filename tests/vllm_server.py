@@ -75,16 +75,23 @@ def make_test_model(out_dir: Path) -> Path:
 
 
 def start_server(
-    model_dir: Path, log_path: Path, extra_args: tuple[str, ...] = (), timeout_s: int = 600
+    model_dir: Path,
+    log_path: Path,
+    extra_args: tuple[str, ...] = (),
+    timeout_s: int = 600,
+    dev_mode: bool = False,
 ) -> VLLMServer:
-    """Start vLLM in the background and return once it has served a completion."""
+    """Start vLLM in the background and return once it has served a completion.
+    dev_mode: VLLM_SERVER_DEV_MODE=1, which adds /reset_prefix_cache (the benchmark
+    empties the prefix cache before every configuration it times)."""
     port = free_port()
     command = [
         "bash", str(SCRIPT), "serve", str(model_dir),
         "--port", str(port), "--log", str(log_path), "--start-timeout", str(timeout_s),
         "--max-model-len", str(MAX_MODEL_LEN), *extra_args,
     ]  # fmt: skip
-    result = subprocess.run(command, capture_output=True, text=True, cwd=REPO_ROOT)
+    env = {**os.environ, **({"VLLM_SERVER_DEV_MODE": "1"} if dev_mode else {})}
+    result = subprocess.run(command, capture_output=True, text=True, cwd=REPO_ROOT, env=env)
     if result.returncode != 0:
         raise RuntimeError(
             f"vLLM failed to start (rc {result.returncode}):\n{result.stderr[-5000:]}"

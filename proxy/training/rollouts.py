@@ -31,12 +31,12 @@ def greedy_rollouts(
     progress = tqdm(total=len(batches) * num_new_tokens, desc=desc, mininterval=5.0)
     for batch in batches:
         cache = DynamicCache(config=model.config)
-        logits = model(input_ids=batch, past_key_values=cache, use_cache=True).logits
+        logits = model(input_ids=batch, cache=cache, use_cache=True).logits
         generated = []
         for _ in range(num_new_tokens):
             next_ids = logits[:, -1].argmax(-1, keepdim=True)  # [B, 1]
             generated.append(next_ids)
-            logits = model(input_ids=next_ids, past_key_values=cache, use_cache=True).logits
+            logits = model(input_ids=next_ids, cache=cache, use_cache=True).logits
             progress.update(1)
         rows.append(torch.cat([batch, *generated], dim=1))
     progress.close()
