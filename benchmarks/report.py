@@ -249,14 +249,7 @@ def projection_markdown(rows: list[dict], cost: dict) -> str:
             f"ms per recomputed token (R^2 {fit['r2']:.2f} over {fit['num_rounds']} rounds); "
             f"CPU decode step {fit['cpu_step_s'] * 1e3:.1f} ms (direct vLLM)."
         )
-    columns = [
-        ("mode", "mode", 0),
-        ("tree", "tree", 0),
-        ("drafter", "drafter", 0),
-        ("strategy", "strategy", 0),
-        ("budget", "B", 0),
-        ("tau", "tau", 2),
-    ]
+    columns = MAIN_COLUMNS[:6]  # the configuration and its tau
     for scenario in scenarios:
         for host in hosts:
             key = f"gpu_{scenario['name']}_{host['name']}"
