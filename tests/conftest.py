@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from proxy.modelgen import random_qwen3
+from training.modelgen import random_qwen3
 
 # Shapes of the random-weight targets the lossless tests run on. A wide weight
 # initialisation keeps argmaxes decisive, so fp32 rounding cannot flip them.
@@ -43,7 +43,7 @@ def dflash_dirs(target_dirs, tmp_path_factory) -> dict[str, Path]:
     from transformers import AutoConfig, AutoTokenizer
 
     from proxy.drafter.dflash_model import DFlashConfig, DFlashDraftModel, save_checkpoint
-    from proxy.modelgen import MASK_TOKEN
+    from training.modelgen import MASK_TOKEN
 
     dirs = {}
     for name, target_dir in target_dirs.items():

@@ -34,7 +34,7 @@ def engine_family(tmp_path_factory) -> tuple[Path, Path]:
     from transformers import AutoConfig, AutoTokenizer
 
     from proxy.drafter.dflash_model import DFlashConfig, DFlashDraftModel, save_checkpoint
-    from proxy.modelgen import MASK_TOKEN, random_qwen3
+    from training.modelgen import MASK_TOKEN, random_qwen3
 
     root = tmp_path_factory.mktemp("bench-family")
     target = random_qwen3(

@@ -26,7 +26,7 @@ from proxy.sampling import SamplingParams, derive_seed
 from proxy.tree import DraftDistribution, DraftTree, build_chain, build_tree, walk
 
 GREEDY = SamplingParams()
-VOCAB_SIZE = 260  # byte-level tokenizer of proxy.modelgen: 256 bytes + 4 specials
+VOCAB_SIZE = 260  # byte-level tokenizer of training.modelgen: 256 bytes + 4 specials
 
 
 def _random_dist(

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import httpx
 
-from proxy.modelgen import random_qwen3
+from training.modelgen import random_qwen3
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = REPO_ROOT / "scripts" / "vllm_cpu.sh"
