@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import make_test_model
 
 from benchmarks import cost_model
 from benchmarks.report import Report, validate_report
@@ -34,18 +35,10 @@ def engine_family(tmp_path_factory) -> tuple[Path, Path]:
     from transformers import AutoConfig, AutoTokenizer
 
     from proxy.drafter.dflash_model import DFlashConfig, DFlashDraftModel, save_checkpoint
-    from training.modelgen import MASK_TOKEN, random_qwen3
+    from training.modelgen import MASK_TOKEN
 
     root = tmp_path_factory.mktemp("bench-family")
-    target = random_qwen3(
-        root / "target",
-        num_layers=2,
-        hidden_size=64,
-        num_heads=2,
-        num_kv_heads=1,
-        seed=5,
-        initializer_range=0.2,
-    )
+    target = make_test_model(root / "target")
     mask_id = AutoTokenizer.from_pretrained(target).convert_tokens_to_ids(MASK_TOKEN)
     config = DFlashConfig.for_target(
         AutoConfig.from_pretrained(target), mask_token_id=mask_id, block_size=8
