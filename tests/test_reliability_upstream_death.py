@@ -16,6 +16,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from background_server import BackgroundServer
 from vllm_server import (
     MAX_MODEL_LEN,
     REPO_ROOT,
@@ -29,9 +30,9 @@ from vllm_server import (
     stop_server,
 )
 
-from proxy.config import ServerSettings
 from proxy.decoding import TreeSettings
-from proxy.server import BackgroundServer, create_app
+from proxy.server.app import create_app
+from proxy.server.settings import ServerSettings
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
