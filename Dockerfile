@@ -1,10 +1,13 @@
 # ddtree-proxy: the DDTree server (proxy mode in front of vLLM, or engine mode).
-#   docker build -t ddtree-proxy .
+#   docker build -t ddtree-proxy .                        # proxy mode, no torch
+#   docker build --build-arg EXTRAS=engine -t ddtree-proxy .   # + engine mode, model drafters
 #   docker run --rm -p 127.0.0.1:8080:8080 ddtree-proxy serve --target-url http://vllm:8000 ...
-# The proxy runs the drafter and the tree builder on the CPU (ngram needs no model; an
-# autoregressive drafter is small), so the image carries the CPU build of torch only.
+# The default image serves proxy mode with the ngram drafter and a local tokenizer
+# (EXTRAS=tokenizer: Transformers' tokenizers, no torch). EXTRAS=engine adds the CPU
+# build of torch, for engine mode and the autoregressive drafter.
 FROM python:3.11-slim
 
+ARG EXTRAS=tokenizer
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PYTHONUNBUFFERED=1 \
@@ -12,14 +15,17 @@ ENV PIP_NO_CACHE_DIR=1 \
 
 WORKDIR /app
 
-# torch first, from PyTorch's CPU index: PyPI's default build would pull CUDA (GBs).
-RUN pip install --index-url https://download.pytorch.org/whl/cpu "torch==2.13.0"
+# torch (engine extra only) first, from PyTorch's CPU index: PyPI's default build
+# would pull CUDA (GBs).
+RUN case ",${EXTRAS}," in \
+        *,engine,*) pip install --index-url https://download.pytorch.org/whl/cpu "torch==2.13.0" ;; \
+    esac
 
 COPY pyproject.toml README.md ./
 COPY proxy ./proxy
 # Editable, so the package finds its repository root (/app) and the shipped models
 # under /app/models for engine mode.
-RUN pip install -e .
+RUN pip install -e ".[${EXTRAS}]"
 COPY models ./models
 
 # Inside a container the server must listen on all interfaces; publish the port on

@@ -18,7 +18,7 @@ from typing import Awaitable, Callable, Sequence
 import numpy as np
 import torch
 
-from proxy.backend.base import Target, TargetCounters, Verification
+from proxy.backend.base import SessionOptions, Target, TargetCounters, Verification
 from proxy.decoding import GenerationRequest, GenerationStats, TreeSettings, generate
 from proxy.drafter.base import Drafter
 from proxy.sampling import SamplingParams
@@ -93,18 +93,17 @@ class RecordingTarget:
     def __init__(self, inner: Target):
         self.inner = inner
         self.name = inner.name
+        self.label = inner.label
         self.max_model_len = inner.max_model_len
         self.eos_token_ids = inner.eos_token_ids
+        self.strategies = inner.strategies
+        self.check_options = inner.check_options
+        self.health = inner.health
+        self.aclose = inner.aclose
         self.log = RoundLog()
 
-    async def start(
-        self,
-        prompt_ids: Sequence[int],
-        params: SamplingParams,
-        feature_layer_ids: tuple[int, ...] | None = None,
-        want_logprobs: bool = False,
-    ) -> _RecordingSession:
-        session = await self.inner.start(prompt_ids, params, feature_layer_ids, want_logprobs)
+    async def start(self, prompt_ids: Sequence[int], options: SessionOptions) -> _RecordingSession:
+        session = await self.inner.start(prompt_ids, options)
         return _RecordingSession(session, self.log)
 
 
@@ -136,6 +135,7 @@ async def measure(
     warmup_tokens: int,
     before_timing: Callable[[], None] = lambda: None,
     progress=None,
+    strategy: str | None = None,
 ) -> Measurement:
     """Warm up on the first prompt, call `before_timing`, then time every prompt in turn
     (one request at a time: the latency-bound setting speculative decoding is for).
@@ -152,6 +152,7 @@ async def measure(
             sampling=SamplingParams(temperature=0.0),
             tree=tree,
             ignore_eos=True,
+            strategy=strategy,
         )
         start = time.perf_counter()
         result = await generate(recorder, drafter, request, detokenize)

@@ -1,6 +1,6 @@
 """The configurations the benchmark measures, and one report row from each.
 
-Engine mode: the target in-process (proxy.engine.Engine), DFlash drafting. Proxy mode:
+Engine mode: the target in-process (proxy.runtime.load_engine), DFlash drafting. Proxy mode:
 the same decoding loop verifying against a real vLLM server over HTTP (VLLMTarget),
 with the n-gram and autoregressive drafters, plus direct vLLM as the baseline.
 """
@@ -24,7 +24,7 @@ from proxy.backend.vllm import VLLMTarget
 from proxy.decoding import TreeSettings, resolve_depth
 from proxy.drafter import load_drafter
 from proxy.drafter.base import TargetInfo
-from proxy.engine import Engine
+from proxy.runtime import load_engine
 
 WARMUP_TOKENS = 8  # untimed tokens on the first prompt before each configuration
 
@@ -139,7 +139,7 @@ def engine_configs(budgets) -> list[Config]:
 
 
 def run_engine(args, prompts, bar) -> tuple[list[dict], dict, list[list[int]]]:
-    engine = Engine.load(args.target_dir, f"dflash:{args.dflash_dir}")
+    engine = load_engine(args.target_dir, f"dflash:{args.dflash_dir}")
     rows, rounds = [], {}
     baseline: Measurement | None = None
     baseline_id = ""
@@ -155,7 +155,7 @@ def run_engine(args, prompts, bar) -> tuple[list[dict], dict, list[list[int]]]:
                     config.tree,
                     prompts,
                     args.max_tokens,
-                    engine.detokenize,
+                    engine.detokenizer(),
                     WARMUP_TOKENS,
                     progress=inner,
                 )
@@ -240,20 +240,7 @@ async def run_proxy_configs(args, server: upstream.Upstream, prompts, direct: Me
         name: load_drafter(name if name != "autoregressive" else f"{name}:{args.ar_dir}", info)
         for name in args.proxy_drafters
     }
-    first = await VLLMTarget.connect(
-        server.url, server.model, model_dir=args.target_dir, block_size=server.block_size
-    )
-    targets = {
-        strategy: VLLMTarget(
-            first.http,
-            first.name,
-            first.max_model_len,
-            first.eos_token_ids,
-            strategy,
-            server.block_size,
-        )
-        for strategy in args.strategies
-    }
+    target = await VLLMTarget.connect(server.url, server.model, model_dir=args.target_dir)
     rows, rounds = [], {}
     try:
         for cfg in proxy_configs(args):
@@ -263,7 +250,7 @@ async def run_proxy_configs(args, server: upstream.Upstream, prompts, direct: Me
             before_timing = functools.partial(_reset_and_snapshot, server, snapshot)
             with tqdm(total=len(prompts), desc="prompts", leave=False, file=sys.stderr) as inner:
                 m = await measure(
-                    targets[cfg.strategy],
+                    target,
                     drafter,
                     cfg.tree,
                     prompts,
@@ -272,6 +259,7 @@ async def run_proxy_configs(args, server: upstream.Upstream, prompts, direct: Me
                     WARMUP_TOKENS,
                     before_timing,
                     progress=inner,
+                    strategy=cfg.strategy,
                 )
             after = server.metrics()
             delta = {key: after[key] - snapshot[key] for key in after}
@@ -280,7 +268,7 @@ async def run_proxy_configs(args, server: upstream.Upstream, prompts, direct: Me
             rounds[cfg.id] = m.rounds.arrays()
             bar.update(1)
     finally:
-        await first.aclose()
+        await target.aclose()
     return rows, rounds
 
 

@@ -36,7 +36,7 @@ from benchmarks import cost_model
 from benchmarks.harness import count_mismatches
 from benchmarks.modes import engine_configs, proxy_configs, run_engine, run_proxy
 from benchmarks.report import Metadata, Report, Row, render_markdown, write_json, write_plots
-from proxy.engine import DEFAULT_DRAFTER, DEFAULT_TARGET_DIR, REPO_ROOT
+from proxy.runtime import DEFAULT_DRAFTER, DEFAULT_TARGET_DIR, REPO_ROOT
 
 FAMILY_DIR = DEFAULT_TARGET_DIR.parent
 DEFAULT_DFLASH_DIR = Path(DEFAULT_DRAFTER.partition(":")[2])

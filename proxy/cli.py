@@ -1,4 +1,8 @@
-"""Command line: `ddtree-proxy generate ...` and `ddtree-proxy serve ...`."""
+"""Command line: `ddtree-proxy generate ...` and `ddtree-proxy serve ...`.
+
+Both build their models through the one composition root (`proxy.runtime`); heavy
+imports (torch, transformers, the HTTP server) happen only in the command that needs
+them."""
 
 from __future__ import annotations
 
@@ -7,16 +11,17 @@ import asyncio
 import json
 import logging
 import sys
+from typing import get_args
 
 import pydantic
-import torch
-from transformers.utils import logging as transformers_logging
 
 from proxy.backend.base import TargetError
+from proxy.backend.vllm import Strategy
 from proxy.decoding import GenerationRequest, TreeSettings, generate
-from proxy.drafter import DRAFTERS, parse_drafter_spec
-from proxy.engine import DEFAULT_DRAFTER, DEFAULT_TARGET_DIR, Engine
+from proxy.drafter import DRAFTERS
+from proxy.runtime import DEFAULT_DRAFTER, DEFAULT_TARGET_DIR, Runtime, build_runtime
 from proxy.sampling import SamplingParams
+from proxy.settings import RuntimeSettings
 
 
 def _tree_settings(args: argparse.Namespace) -> TreeSettings:
@@ -50,23 +55,18 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    if not args.prompt:
-        raise ValueError("prompt is empty: pass --prompt TEXT")
-    tree = _tree_settings(args)
-    parse_drafter_spec(args.drafter)  # fail on an unknown name before loading models
+    if args.torch_threads is not None and args.torch_threads < 1:
+        raise ValueError(f"--torch-threads must be >= 1, got {args.torch_threads}")
+    settings = RuntimeSettings(
+        target=args.target,
+        drafter=args.drafter,
+        tree=_tree_settings(args),
+        torch_threads=args.torch_threads,
+    )
     sampling = SamplingParams(
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed
     )
-    if args.torch_threads is not None:
-        if args.torch_threads < 1:
-            raise ValueError(f"--torch-threads must be >= 1, got {args.torch_threads}")
-        torch.set_num_threads(args.torch_threads)
-    engine = Engine.load(args.target, None if tree.kind == "none" else args.drafter)
-    prompt_ids = engine.encode(args.prompt)
-    request = GenerationRequest(
-        prompt_ids=prompt_ids, max_tokens=args.max_tokens, sampling=sampling, tree=tree
-    )
-    result = asyncio.run(generate(engine.target, engine.drafter, request, engine.detokenize))
+    result = asyncio.run(_generate(settings, args.prompt, args.max_tokens, sampling))
     stats = result.stats.to_dict()
     if args.json:
         print(
@@ -91,15 +91,51 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+async def _generate(
+    settings: RuntimeSettings, prompt: str, max_tokens: int, sampling: SamplingParams
+):
+    runtime: Runtime = await build_runtime(settings)
+    try:
+        prompt_ids = await runtime.tokens.encode(prompt, add_special_tokens=False)
+        request = GenerationRequest(
+            prompt_ids=prompt_ids, max_tokens=max_tokens, sampling=sampling, tree=settings.tree
+        )
+        return await generate(runtime.target, runtime.drafter, request, runtime.detokenizer())
+    finally:
+        await runtime.aclose()
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
     from proxy.server import run_server
 
     return run_server(args)
 
 
+# (flag, type, help) of the plain `serve` options; the defaults in parentheses are
+# ServerSettings'.
+_SERVE_FLAGS: tuple[tuple[str, type, str], ...] = (
+    ("--host", str, "address to bind (127.0.0.1)"),
+    ("--port", int, "port (8000)"),
+    ("--api-key", str, "require Authorization: Bearer KEY"),
+    ("--upstream-api-key", str, "API key of the upstream vLLM"),
+    ("--connect-timeout", float, "upstream connect timeout, s (5)"),
+    ("--read-timeout", float, "upstream read timeout, s (120)"),
+    (
+        "--torch-threads",
+        int,
+        "threads for in-process models (default: 1 in proxy mode, torch's in engine mode)",
+    ),
+    ("--max-retries", int, "retries of a failed verification call (4)"),
+    ("--request-timeout", float, "deadline of one request, s (600)"),
+    ("--max-active", int, "generations served at once (64)"),
+    ("--max-queue", int, "waiting requests before 429 (256)"),
+    ("--max-body-bytes", int, "largest request body before 413 (4 MiB)"),
+)
+
+
 def _add_serve_args(parser: argparse.ArgumentParser) -> None:
     # Defaults are None so that DDTREE_* environment variables can fill the gaps; the
-    # real defaults live in proxy.config.ServerSettings.
+    # real defaults live in proxy.server.settings.ServerSettings.
     parser.add_argument(
         "--target-url", default=None, help="upstream vLLM URL (proxy mode); omit for engine mode"
     )
@@ -126,39 +162,13 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
     shape.add_argument("--no-draft", action="store_true", help="no speculation at all")
     parser.add_argument("--depth", type=int, default=None, help="tree depth per round")
     parser.add_argument(
-        "--strategy", choices=["nodes", "paths"], default=None, help="proxy: verification (nodes)"
-    )
-    parser.add_argument("--host", default=None, help="address to bind (127.0.0.1)")
-    parser.add_argument("--port", type=int, default=None, help="port (8000)")
-    parser.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY")
-    parser.add_argument("--upstream-api-key", default=None, help="API key of the upstream vLLM")
-    parser.add_argument(
-        "--connect-timeout", type=float, default=None, help="upstream connect timeout, s (5)"
-    )
-    parser.add_argument(
-        "--read-timeout", type=float, default=None, help="upstream read timeout, s (120)"
-    )
-    parser.add_argument(
-        "--torch-threads",
-        type=int,
+        "--strategy",
+        choices=get_args(Strategy),
         default=None,
-        help="threads for in-process models (default: 1 in proxy mode, torch's in engine mode)",
+        help="proxy: verification (nodes)",
     )
-    parser.add_argument(
-        "--max-retries", type=int, default=None, help="retries of a failed verification call (4)"
-    )
-    parser.add_argument(
-        "--request-timeout", type=float, default=None, help="deadline of one request, s (600)"
-    )
-    parser.add_argument(
-        "--max-active", type=int, default=None, help="generations served at once (64)"
-    )
-    parser.add_argument(
-        "--max-queue", type=int, default=None, help="waiting requests before 429 (256)"
-    )
-    parser.add_argument(
-        "--max-body-bytes", type=int, default=None, help="largest request body before 413 (4 MiB)"
-    )
+    for flag, kind, help_text in _SERVE_FLAGS:
+        parser.add_argument(flag, type=kind, default=None, help=help_text)
     parser.add_argument(
         "--log-level",
         choices=["critical", "error", "warning", "info", "debug"],
@@ -205,9 +215,18 @@ def _one_line(exc: Exception) -> str:
     return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
 
 
+def _quiet_model_loading() -> None:
+    """No per-load progress bars from Transformers (when it is installed at all)."""
+    try:
+        from transformers.utils import logging as transformers_logging
+    except ImportError:  # a proxy-only install: no local models to load
+        return
+    transformers_logging.disable_progress_bar()
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING)
-    transformers_logging.disable_progress_bar()
+    _quiet_model_loading()
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Create .venv with the project and its dev extras. Idempotent: a rerun with an
-# unchanged pyproject.toml takes a second.
+# Create .venv with the project, its engine extra (torch, transformers) and the dev
+# tools. Idempotent: a rerun with an unchanged pyproject.toml takes a second.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -27,6 +27,6 @@ if [ ${#find_links[@]} -eq 0 ]; then
     wheel=$(find / -name 'torch-2.13.0+cpu*.whl' -print -quit 2>/dev/null || true)
     [ -n "$wheel" ] && find_links=(--find-links "$(dirname "$wheel")")
 fi
-.venv/bin/pip install -q "${find_links[@]}" -e '.[dev]'
+.venv/bin/pip install -q "${find_links[@]}" -e '.[engine,dev]'
 echo "$want" > "$stamp"
 echo "[setup] done" >&2

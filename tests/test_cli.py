@@ -42,13 +42,13 @@ def test_generate_json_is_lossless(target_dirs):
     out = json.loads(proc.stdout)
     assert {"text", "token_ids", "stats"} <= out.keys()
     assert out["stats"]["rounds"] >= 1 and out["stats"]["mean_acceptance_length"] > 1
-    from proxy.engine import Engine
+    from proxy.runtime import load_engine
 
-    engine = Engine.load(target_dir, None)
-    prompt = engine.encode("def add(a, b):")
+    engine = load_engine(target_dir, None)
+    prompt = engine.tokens.tokenizer("def add(a, b):", add_special_tokens=False)["input_ids"]
     ref = engine.target.model.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False)
     assert out["token_ids"] == ref[0, len(prompt) :].tolist()
-    assert out["text"] == engine.tokenizer.decode(
+    assert out["text"] == engine.tokens.tokenizer.decode(
         [t for t in out["token_ids"] if t not in engine.target.eos_token_ids],
         skip_special_tokens=True,
     )

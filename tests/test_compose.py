@@ -13,8 +13,8 @@ import pytest
 import yaml
 
 from proxy.cli import build_parser
-from proxy.config import ServerSettings
-from proxy.server import settings_from_args
+from proxy.server.app import settings_from_args
+from proxy.server.settings import ServerSettings
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 STACKS = {"gpu": ("vllm", "proxy"), "cpu": ("vllm-cpu", "proxy-cpu")}
@@ -139,9 +139,13 @@ def test_dockerfile_matches_the_package():
     assert f'ENTRYPOINT ["{script}"]' in dockerfile
     assert re.search(r"^EXPOSE 8080$", dockerfile, re.M)
     assert "DDTREE_PORT=8080" in dockerfile and "DDTREE_HOST=0.0.0.0" in dockerfile
-    # torch comes from the CPU index, pinned like pyproject pins it.
-    (torch_pin,) = [dep for dep in pyproject["project"]["dependencies"] if dep.startswith("torch")]
+    # The default image has no torch; the engine extra's torch comes from the CPU index,
+    # pinned like pyproject pins it.
+    assert not any(dep.startswith("torch") for dep in pyproject["project"]["dependencies"])
+    engine = pyproject["project"]["optional-dependencies"]["engine"]
+    (torch_pin,) = [dep for dep in engine if dep.startswith("torch")]
     assert f'"{torch_pin}"' in dockerfile and "download.pytorch.org/whl/cpu" in dockerfile
+    assert re.search(r"^ARG EXTRAS=tokenizer$", dockerfile, re.M)
     for source in re.findall(r"^COPY (.+) \./", dockerfile, re.M):
         for path in source.split():
             assert (REPO_ROOT / path).exists(), path

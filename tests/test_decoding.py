@@ -11,14 +11,14 @@ from conftest import run
 
 from proxy.decoding import GenerationRequest, TreeSettings, generate, stream_generate
 from proxy.drafter import load_drafter
-from proxy.engine import Engine, target_info
+from proxy.runtime import Runtime, load_engine, target_info
 
 PROMPT = list(range(40, 72))
 
 
 @functools.lru_cache(maxsize=None)
-def _engine(target_dir: str) -> Engine:
-    return Engine.load(target_dir, None)
+def _engine(target_dir: str) -> Runtime:
+    return load_engine(target_dir, None)
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +32,7 @@ def setup(target_dirs):
             engine.target,
             None,
             GenerationRequest(PROMPT, max_tokens=40, tree=TreeSettings(kind="none"), ignore_eos=True),
-            engine.detokenize,
+            engine.detokenizer(),
         )
     )
     return engine, drafter, plain
@@ -45,13 +45,13 @@ def _req(**kwargs) -> GenerationRequest:
 
 
 def _decode(engine, tokens):
-    return engine.tokenizer.decode(tokens, skip_special_tokens=True)
+    return engine.tokens.tokenizer.decode(tokens, skip_special_tokens=True)
 
 
 def test_max_tokens_cuts_inside_a_round(setup):
     engine, drafter, plain = setup
     for max_tokens in (1, 2, 7, 13):
-        result = run(generate(engine.target, drafter, _req(max_tokens=max_tokens), engine.detokenize))
+        result = run(generate(engine.target, drafter, _req(max_tokens=max_tokens), engine.detokenizer()))
         assert result.token_ids == plain.token_ids[:max_tokens]
         assert result.finish_reason == "length"
 
@@ -68,7 +68,7 @@ def test_stop_string_truncates_text_and_tokens(setup):
 
     async def collect():
         async for delta in stream_generate(
-            engine.target, drafter, _req(max_tokens=40, stop=("\x00never", stop)), engine.detokenize
+            engine.target, drafter, _req(max_tokens=40, stop=("\x00never", stop)), engine.detokenizer()
         ):
             streamed.append(delta)
 
@@ -85,7 +85,7 @@ def test_stop_token_ends_the_output(setup):
     stop_token = plain.token_ids[position]
     result = run(
         generate(
-            engine.target, drafter, _req(max_tokens=40, stop_token_ids=(stop_token,)), engine.detokenize
+            engine.target, drafter, _req(max_tokens=40, stop_token_ids=(stop_token,)), engine.detokenizer()
         )
     )
     assert result.token_ids == plain.token_ids[: position + 1]  # the stop token is reported
@@ -95,7 +95,7 @@ def test_stop_token_ends_the_output(setup):
 
 def test_logprobs_match_a_plain_forward(setup):
     engine, drafter, plain = setup
-    result = run(generate(engine.target, drafter, _req(max_tokens=12, logprobs=True), engine.detokenize))
+    result = run(generate(engine.target, drafter, _req(max_tokens=12, logprobs=True), engine.detokenizer()))
     with torch.inference_mode():
         logits = engine.target.model(torch.tensor([PROMPT + result.token_ids])).logits[0]
     expected = torch.log_softmax(logits.float(), -1)[len(PROMPT) - 1 : -1]
@@ -112,12 +112,12 @@ def test_context_limit_ends_with_length(setup):
             engine.target,
             drafter,
             GenerationRequest(prompt, max_tokens=50, ignore_eos=True, tree=TreeSettings(budget=8, depth=5)),
-            engine.detokenize,
+            engine.detokenizer(),
         )
     )
     assert len(result.token_ids) == 3 and result.finish_reason == "length"
     with pytest.raises(ValueError, match="limit"):
-        run(generate(engine.target, drafter, GenerationRequest([5] * limit, max_tokens=5), engine.detokenize))
+        run(generate(engine.target, drafter, GenerationRequest([5] * limit, max_tokens=5), engine.detokenizer()))
 
 
 @pytest.mark.parametrize(

@@ -18,7 +18,7 @@ from conftest import TARGET_SHAPES, run
 
 from proxy.decoding import GenerationRequest, TreeSettings, generate
 from proxy.drafter import load_drafter
-from proxy.engine import Engine, target_info
+from proxy.runtime import Runtime, load_engine, target_info
 
 MAX_NEW_TOKENS = 24
 BUDGETS = ["chain", 1, 4, 16, 64]
@@ -51,8 +51,8 @@ PROMPTS = _prompts()
 
 
 @functools.lru_cache(maxsize=None)
-def _engine(target_dir: str) -> Engine:
-    return Engine.load(target_dir, None)
+def _engine(target_dir: str) -> Runtime:
+    return load_engine(target_dir, None)
 
 
 @functools.lru_cache(maxsize=None)
@@ -65,7 +65,7 @@ def _reference(target_dir: str, prompt: tuple[int, ...]) -> list[int]:
     return out[0, len(prompt) :].tolist()
 
 
-def _drafter(kind: str, engine: Engine, target_dir: str, small_drafter_dir, dflash_dir):
+def _drafter(kind: str, engine: Runtime, target_dir: str, small_drafter_dir, dflash_dir):
     info = target_info(engine.target.model.config, None, engine.target.model)
     specs = {
         "dflash": f"dflash:{dflash_dir}",
@@ -93,7 +93,7 @@ def test_greedy_equals_generate(
     taus = []
     for prompt in PROMPTS:
         request = GenerationRequest(prompt_ids=prompt, max_tokens=MAX_NEW_TOKENS, tree=tree)
-        result = run(generate(engine.target, drafter, request, engine.detokenize))
+        result = run(generate(engine.target, drafter, request, engine.detokenizer()))
         assert result.token_ids == _reference(target_dir, tuple(prompt)), (prompt, budget)
         taus.append(result.stats.mean_acceptance_length)
     if drafter_kind == "agreeing":
@@ -110,7 +110,7 @@ def test_no_draft_equals_generate(target_dirs):
         request = GenerationRequest(
             prompt_ids=prompt, max_tokens=MAX_NEW_TOKENS, tree=TreeSettings(kind="none")
         )
-        result = run(generate(engine.target, None, request, engine.detokenize))
+        result = run(generate(engine.target, None, request, engine.detokenizer()))
         assert result.token_ids == _reference(target_dir, tuple(prompt))
         assert all(length == 1 for length in result.stats.acceptance_lengths)
 
@@ -152,7 +152,7 @@ def test_budget_beyond_the_vocabulary(drafter_kind, target_dirs, small_drafter_d
     tree = TreeSettings(kind="ddtree", budget=vocab_size + 40, depth=3)
     for prompt in PROMPTS[:4] + PROMPTS[-3:-2]:  # the last: "aaa...", for ngram matches
         request = GenerationRequest(prompt_ids=prompt, max_tokens=MAX_NEW_TOKENS, tree=tree)
-        result = run(generate(engine.target, drafter, request, engine.detokenize))
+        result = run(generate(engine.target, drafter, request, engine.detokenizer()))
         assert result.token_ids == _reference(target_dir, tuple(prompt)), prompt
     assert drafter.proposals
     for depth, top_k, dist in drafter.proposals:

@@ -18,10 +18,11 @@ import torch
 from conftest import run
 from scipy.stats import chisquare
 
+from proxy.backend.token_choice import filtered_probs
 from proxy.decoding import GenerationRequest, TreeSettings, generate
 from proxy.drafter import load_drafter
-from proxy.engine import Engine, target_info
-from proxy.sampling import SamplingParams, filtered_probs
+from proxy.runtime import Runtime, load_engine, target_info
+from proxy.sampling import SamplingParams
 
 
 def oracle_probs(
@@ -101,11 +102,11 @@ def test_filter_matches_the_oracle_on_random_logits():
 
 
 @functools.lru_cache(maxsize=None)
-def _engine(target_dir: str) -> Engine:
-    return Engine.load(target_dir, None)
+def _engine(target_dir: str) -> Runtime:
+    return load_engine(target_dir, None)
 
 
-def _drafters(engine: Engine, target_dir: str, small_drafter_dir) -> dict:
+def _drafters(engine: Runtime, target_dir: str, small_drafter_dir) -> dict:
     info = target_info(engine.target.model.config, None, engine.target.model)
     return {
         "ngram": load_drafter("ngram", info),
@@ -137,7 +138,7 @@ def test_seeded_output_is_identical_across_budgets_and_drafters(target_dirs, sma
                 request = GenerationRequest(
                     prompt_ids=prompt, max_tokens=24, sampling=params, tree=tree, ignore_eos=True
                 )
-                result = run(generate(engine.target, drafter, request, engine.detokenize))
+                result = run(generate(engine.target, drafter, request, engine.detokenizer()))
                 outputs.add(tuple(result.token_ids))
             assert len(outputs) == 1, (prompt, seed, outputs)
     # Different seeds do give different samples (the test above is not vacuous).
@@ -153,7 +154,7 @@ def test_seeded_output_is_identical_across_budgets_and_drafters(target_dirs, sma
                         sampling=SamplingParams(temperature=1.0, seed=seed),
                         tree=TreeSettings(kind="none"),
                     ),
-                    engine.detokenize,
+                    engine.detokenizer(),
                 )
             ).token_ids
         )
@@ -196,7 +197,7 @@ def test_first_two_tokens_follow_the_target_distribution(target_dirs):
             prompt_ids=prompt, max_tokens=2, sampling=params_of(seed=seed), tree=tree,
             ignore_eos=True,
         )
-        result = run(generate(engine.target, drafter, request, engine.detokenize))
+        result = run(generate(engine.target, drafter, request, engine.detokenizer()))
         key = tuple(result.token_ids)
         assert key in expected, key  # never a pair the target cannot produce
         counts[key] = counts.get(key, 0) + 1

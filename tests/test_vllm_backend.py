@@ -19,7 +19,7 @@ from conftest import run
 from transformers import AutoTokenizer
 
 from benchmarks.upstream import Upstream, free_port
-from proxy.backend.base import TargetError
+from proxy.backend.base import SessionOptions, TargetError
 from proxy.backend.vllm import VLLMHttp, VLLMTarget
 from proxy.backend.vllm_tokens import VLLMTokens
 from proxy.sampling import SamplingParams, derive_seed
@@ -126,11 +126,11 @@ def test_tree_tokens_match_plain_greedy(vllm_server: Upstream):
     )
 
     async def verify_all(strategy: str) -> list[np.ndarray]:
-        target = await VLLMTarget.connect(vllm_server.url, strategy=strategy)
+        target = await VLLMTarget.connect(vllm_server.url)
         try:
             tokens = []
             for prompt, tree in cases:
-                session = await target.start(prompt, GREEDY)
+                session = await target.start(prompt, SessionOptions(GREEDY, strategy=strategy))
                 tokens.append((await session.verify(prompt, tree)).tokens)
                 assert session.counters.upstream_calls == 1
                 num_prompt_tokens = session.counters.verify_prompt_tokens
@@ -170,10 +170,11 @@ async def _tree_decode(
     p_wrong: float,
     budget: int,
     max_depth: int,
+    strategy: str,
 ) -> tuple[list[int], int, int]:
     """A minimal speculative loop: draft from a corrupted oracle, verify, walk, commit."""
     rng = np.random.default_rng(seed)
-    session = await target.start(prompt, GREEDY)
+    session = await target.start(prompt, SessionOptions(GREEDY, strategy=strategy))
     committed = list(prompt)
     output: list[int] = []
     num_rounds = 0
@@ -207,14 +208,12 @@ def test_greedy_decode_reproduces_vllm(vllm_server: Upstream):
     ]
 
     async def decode_all():
-        targets = {
-            s: await VLLMTarget.connect(vllm_server.url, strategy=s) for s in ("nodes", "paths")
-        }
+        target = await VLLMTarget.connect(vllm_server.url)
         try:
             return await asyncio.gather(
                 *(
                     _tree_decode(
-                        targets[strategy],
+                        target,
                         prompts[idx],
                         truths[idx],
                         num_tokens,
@@ -222,13 +221,13 @@ def test_greedy_decode_reproduces_vllm(vllm_server: Upstream):
                         p_wrong=p_wrong,
                         budget=budget,
                         max_depth=max_depth,
+                        strategy=strategy,
                     )  # fmt: skip
                     for run_idx, (strategy, idx, p_wrong, budget) in enumerate(runs)
                 )
             )
         finally:
-            for target in targets.values():
-                await target.aclose()
+            await target.aclose()
 
     for (strategy, idx, p_wrong, _), (output, num_rounds, num_calls) in zip(
         runs, run(decode_all()), strict=True
@@ -283,11 +282,11 @@ def test_seeded_sampling_is_tree_independent(vllm_server: Upstream):
                 *((prompt, t) for t in trees),
                 (shifted_committed, shifted_tree),
             ]:
-                session = await target.start(committed, seeded)
+                session = await target.start(committed, SessionOptions(seeded))
                 tokens = (await session.verify(committed, tree)).tokens
                 assert session.counters.upstream_calls == tree.max_depth + 1
                 answers.append(_tokens_by_prefix(committed, tree, tokens))
-            unseeded = await target.start(prompt, SamplingParams(temperature=1.0))
+            unseeded = await target.start(prompt, SessionOptions(SamplingParams(temperature=1.0)))
             await unseeded.verify(prompt, trees[0])
             assert unseeded.counters.upstream_calls == 1
             return answers
@@ -340,7 +339,7 @@ def test_connect_logprobs_and_errors(vllm_server: Upstream):
             prompt = list(range(40, 140))
             tree = build_chain(prompt[-1], _random_dist(np.random.default_rng(1), 3, 2), 3)
 
-            session = await target.start(prompt, GREEDY, want_logprobs=True)
+            session = await target.start(prompt, SessionOptions(GREEDY, want_logprobs=True))
             verification = await session.verify(prompt, tree)
             assert verification.logprobs is not None
             assert verification.logprobs.shape == (tree.num_nodes + 1,)
@@ -354,7 +353,7 @@ def test_connect_logprobs_and_errors(vllm_server: Upstream):
             assert session.prompt_features is None
 
             with pytest.raises(ValueError, match="hidden states"):
-                await target.start(prompt, GREEDY, feature_layer_ids=(1,))
+                await target.start(prompt, SessionOptions(GREEDY, feature_layer_ids=(1,)))
             with pytest.raises(TargetError, match="max_model_len"):
                 await session.verify(list(range(2046)) + [prompt[-1]], tree)
             # vLLM's own 400 for an out-of-vocabulary token comes back as TargetError.
@@ -367,19 +366,16 @@ def test_connect_logprobs_and_errors(vllm_server: Upstream):
             )
             with pytest.raises(TargetError, match="HTTP 400"):
                 await session.verify(prompt, bad)
-        finally:
-            await target.aclose()
-
-        paths_target = await VLLMTarget.connect(vllm_server.url, strategy="paths")
-        try:
-            paths_session = await paths_target.start(prompt, GREEDY, want_logprobs=True)
+            paths = SessionOptions(GREEDY, want_logprobs=True, strategy="paths")
+            paths_session = await target.start(prompt, paths)
             from_paths = await paths_session.verify(prompt, tree)
             assert from_paths.tokens.tolist() == verification.tokens.tolist()
             assert from_paths.logprobs == pytest.approx(verification.logprobs, abs=1e-4)
             with pytest.raises(ValueError, match="greedy only"):
-                await paths_target.start([1, 2], SamplingParams(temperature=0.7))
+                sampled = SessionOptions(SamplingParams(temperature=0.7), strategy="paths")
+                await target.start([1, 2], sampled)
         finally:
-            await paths_target.aclose()
+            await target.aclose()
 
     run(body())
 
@@ -430,7 +426,7 @@ async def _verify_with(route_kwargs: dict, params: SamplingParams = GREEDY) -> n
         mock.post("/v1/completions").mock(**route_kwargs)
         target = VLLMTarget(VLLMHttp(URL, read_timeout=1.0), "m", 2048, (0,))
         try:
-            session = await target.start(COMMITTED, params)
+            session = await target.start(COMMITTED, SessionOptions(params))
             return (await session.verify(COMMITTED, TREE)).tokens
         finally:
             await target.aclose()

@@ -2,23 +2,60 @@
 
 The decoding loop sees "the target's token at the root and at every node" and
 nothing else: how the target is reached (in-process Transformers, vLLM over HTTP)
-stays inside `proxy/backend/`.
+stays inside `proxy/backend/`. Whatever differs between engine mode and proxy mode
+is a property or a method of the target, never a mode string above this package.
+
+This module imports no torch: proxy mode with a model-free drafter runs without it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
 import numpy as np
-import torch
 
 from proxy.sampling import SamplingParams
 from proxy.tree import DraftTree, WalkResult
 
+if TYPE_CHECKING:
+    import torch
+
+
+# An upstream status worth another try: overload and server-side failures. A 4xx is
+# the request's own fault and would fail again.
+RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
+
 
 class TargetError(RuntimeError):
-    """The target failed in a way the client should see (upstream down, bad answer)."""
+    """The target failed in a way the client should see.
+
+    `kind` says how: "timeout", "connect", "network" (the call did not complete),
+    "http" (the upstream answered with a non-200 `status`), "malformed" (an answer
+    that does not parse or does not fit the request). This is the one classification
+    of upstream failures; retries and the client-facing status are derived from it.
+    """
+
+    def __init__(self, message: str, kind: str = "malformed", status: int | None = None):
+        super().__init__(message)
+        self.kind = kind
+        self.status = status
+
+    @property
+    def retriable(self) -> bool:
+        return self.kind != "http" or self.status in RETRY_STATUSES
+
+
+@dataclass(frozen=True)
+class SessionOptions:
+    """Per-request choices a target session is started with."""
+
+    sampling: SamplingParams = SamplingParams()
+    # Target layers whose hidden states the drafter needs; None = none.
+    feature_layer_ids: tuple[int, ...] | None = None
+    want_logprobs: bool = False  # report the target's log-prob of each chosen token
+    # How the target verifies a tree (one of `Target.strategies`); None = its default.
+    strategy: str | None = None
 
 
 @dataclass(frozen=True)
@@ -57,13 +94,19 @@ class TargetSession(Protocol):
 
 class Target(Protocol):
     name: str
+    label: str  # what serves it, for /health and logs ("engine", "proxy")
     max_model_len: int  # longest sequence (prompt + output) the target accepts
     eos_token_ids: tuple[int, ...]
+    strategies: tuple[str, ...]  # verification strategies it offers; () = just one way
 
-    async def start(
-        self,
-        prompt_ids: Sequence[int],
-        params: SamplingParams,
-        feature_layer_ids: tuple[int, ...] | None = None,
-        want_logprobs: bool = False,
-    ) -> TargetSession: ...
+    def check_options(self, options: SessionOptions) -> None:
+        """Raise ValueError naming the problem if `start` would refuse these options."""
+        ...
+
+    async def start(self, prompt_ids: Sequence[int], options: SessionOptions) -> TargetSession: ...
+
+    async def health(self) -> tuple[bool, dict[str, Any]]:
+        """(healthy, details for /health)."""
+        ...
+
+    async def aclose(self) -> None: ...

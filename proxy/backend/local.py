@@ -12,14 +12,15 @@ from __future__ import annotations
 import asyncio
 import threading
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 from transformers import DynamicCache
 
-from proxy.backend.base import TargetCounters, Verification
+from proxy.backend.base import SessionOptions, TargetCounters, Verification
+from proxy.backend.token_choice import select_tokens
 from proxy.hf import FEATURE_LAYER_OFFSET, crop_cache, load_causal_lm
-from proxy.sampling import SamplingParams, select_tokens
+from proxy.sampling import SamplingParams
 from proxy.tree import DraftTree, WalkResult
 
 
@@ -27,10 +28,12 @@ class LocalTarget:
     """A Transformers causal LM as the target. Forwards run one at a time in a worker
     thread so an async server stays responsive."""
 
-    def __init__(self, model: torch.nn.Module, name: str, model_dir: Path | None = None):
+    label = "engine"
+    strategies: tuple[str, ...] = ()  # one forward pass verifies the whole tree
+
+    def __init__(self, model: torch.nn.Module, name: str):
         self.model = model
         self.name = name
-        self.model_dir = model_dir
         config = model.config
         self.max_model_len = int(config.max_position_embeddings)
         eos = config.eos_token_id
@@ -42,26 +45,32 @@ class LocalTarget:
     @classmethod
     def from_dir(cls, model_dir: str | Path, dtype: torch.dtype = torch.float32) -> "LocalTarget":
         model_dir = Path(model_dir)
-        return cls(load_causal_lm(model_dir, dtype), name=model_dir.name, model_dir=model_dir)
+        return cls(load_causal_lm(model_dir, dtype), name=model_dir.name)
 
-    async def start(
-        self,
-        prompt_ids: Sequence[int],
-        params: SamplingParams,
-        feature_layer_ids: tuple[int, ...] | None = None,
-        want_logprobs: bool = False,
-    ) -> "LocalSession":
-        if len(prompt_ids) == 0:
-            raise ValueError("prompt is empty: at least one token is needed")
+    def check_options(self, options: SessionOptions) -> None:
+        if options.strategy is not None:
+            raise ValueError(
+                "only proxy mode has verification strategies (engine mode verifies a tree "
+                "in one forward pass)"
+            )
         num_layers = int(self.model.config.num_hidden_layers)
-        for layer_id in feature_layer_ids or ():
+        for layer_id in options.feature_layer_ids or ():
             if not 0 <= layer_id < num_layers:
                 raise ValueError(
                     f"feature layer {layer_id} out of range for a target with {num_layers} layers"
                 )
-        session = LocalSession(self, params, feature_layer_ids, want_logprobs)
+
+    async def start(self, prompt_ids: Sequence[int], options: SessionOptions) -> "LocalSession":
+        self.check_options(options)
+        session = LocalSession(self, options.sampling, options.feature_layer_ids, options.want_logprobs)
         await asyncio.to_thread(session.prefill, list(prompt_ids))
         return session
+
+    async def health(self) -> tuple[bool, dict[str, Any]]:
+        return True, {}
+
+    async def aclose(self) -> None:
+        return None  # the model lives as long as the process
 
 
 class LocalSession:

@@ -1,6 +1,7 @@
 """Verify draft trees against an unmodified vLLM server over its OpenAI HTTP API.
 
-Strategies (see DESIGN.md section 3 for the measurements behind them):
+Strategies, chosen per request (`SessionOptions.strategy`); the measurements behind
+them are in the README's "Where the proxy is slower" section and the benchmark report:
 
 * ``nodes`` (default, any sampling): one ``max_tokens=1`` prompt per tree node, root
   included -- node n's prompt is ``committed + tree.path_tokens(n)`` -- all in one
@@ -30,23 +31,19 @@ import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Literal, Sequence
+from typing import Any, Callable, Literal, Sequence, get_args
 
 import httpx
 import numpy as np
 
-from proxy.backend.base import TargetCounters, TargetError, Verification
-from proxy.sampling import SamplingParams, derive_seed
+from proxy.backend.base import SessionOptions, TargetCounters, TargetError, Verification
+from proxy.sampling import derive_seed
 from proxy.tree import DraftTree, WalkResult
 
 Strategy = Literal["nodes", "paths"]
-STRATEGIES: tuple[str, ...] = ("nodes", "paths")
+STRATEGIES: tuple[str, ...] = get_args(Strategy)
+DEFAULT_STRATEGY: Strategy = "nodes"
 KEEPALIVE_EXPIRY_S = 2.0  # < vLLM's (uvicorn's) 5 s keep-alive timeout
-
-
-# Upstream statuses worth another try: overload and server-side failures. A 4xx is the
-# request's own fault and would fail again.
-RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
 
 
 @dataclass(frozen=True)
@@ -65,22 +62,18 @@ class RetryPolicy:
         return base * (0.5 + 0.5 * rng.random())
 
 
-class UpstreamFailure(TargetError):
-    """A failed upstream call; `kind` says how (timeout, connect, network, http,
-    malformed) and `status` carries the upstream's HTTP status for kind "http"."""
-
-    def __init__(self, message: str, kind: str, status: int | None = None):
-        super().__init__(message)
-        self.kind = kind
-        self.status = status
-
-    @property
-    def retriable(self) -> bool:
-        return self.kind != "http" or self.status in RETRY_STATUSES
+def transport_failure(where: str, exc: httpx.HTTPError) -> TargetError:
+    """The TargetError for a call that did not complete (timeout, connect, network)."""
+    if isinstance(exc, httpx.TimeoutException):
+        return TargetError(f"{where} timed out ({type(exc).__name__})", "timeout")
+    if isinstance(exc, httpx.ConnectError):
+        return TargetError(f"{where}: cannot connect ({exc})", "connect")
+    return TargetError(f"{where} failed: {type(exc).__name__}: {exc}", "network")
 
 
 class VLLMHttp:
     """A pooled keep-alive client for one vLLM server; maps every failure to TargetError.
+    This is the only place that talks HTTP to the upstream.
 
     `request_json` retries idempotent calls (`retry=True`) on connection failures,
     timeouts, 429/5xx answers and malformed JSON, with bounded exponential backoff;
@@ -124,12 +117,12 @@ class VLLMHttp:
         self, method: str, path: str, body: Any = None, *, retry: bool = True
     ) -> Any:
         """Send one request; return the decoded JSON body or raise TargetError (an
-        UpstreamFailure) after the last attempt."""
+        with its kind) after the last attempt."""
         attempts = self.retry.max_retries + 1 if retry else 1
         for attempt in range(attempts):
             try:
                 return await self._request_once(method, path, body)
-            except UpstreamFailure as exc:
+            except TargetError as exc:
                 if attempt + 1 == attempts or not exc.retriable:
                     if attempt:
                         exc.args = (f"{exc.args[0]} (after {attempt + 1} attempts)",)
@@ -143,16 +136,10 @@ class VLLMHttp:
         where = f"vLLM {method} {self.base_url}{path}"
         try:
             response = await self.client.request(method, path, json=body)
-        except httpx.TimeoutException as exc:
-            raise UpstreamFailure(f"{where} timed out ({type(exc).__name__})", "timeout") from exc
-        except httpx.ConnectError as exc:
-            raise UpstreamFailure(f"{where}: cannot connect ({exc})", "connect") from exc
         except httpx.HTTPError as exc:
-            raise UpstreamFailure(
-                f"{where} failed: {type(exc).__name__}: {exc}", "network"
-            ) from exc
+            raise transport_failure(where, exc) from exc
         if response.status_code != 200:
-            raise UpstreamFailure(
+            raise TargetError(
                 f"{where} returned HTTP {response.status_code}: {response.text[:500]}",
                 "http",
                 response.status_code,
@@ -160,9 +147,31 @@ class VLLMHttp:
         try:
             return response.json()
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise UpstreamFailure(
+            raise TargetError(
                 f"{where} returned malformed JSON: {response.text[:200]!r}", "malformed"
             ) from exc
+
+    async def open_stream(
+        self, method: str, path: str, content: bytes | None, headers: dict[str, str]
+    ) -> httpx.Response:
+        """Send a request as given and return the response with its body unread (the
+        caller relays it and closes it); no retries: it may not be idempotent."""
+        request = self.client.build_request(method, path, content=content, headers=headers)
+        try:
+            return await self.client.send(request, stream=True)
+        except httpx.HTTPError as exc:
+            raise transport_failure(f"vLLM {method} {self.base_url}{path}", exc) from exc
+
+    async def health(self) -> tuple[bool, dict[str, Any]]:
+        try:
+            # Short: /health must turn unhealthy within seconds of the upstream dying.
+            response = await self.client.get("/health", timeout=2.0)
+        except Exception as exc:  # any failure to reach it means "unhealthy"
+            return False, {"url": self.base_url, "error": f"{type(exc).__name__}: {exc}"}
+        return response.status_code == 200, {
+            "url": self.base_url,
+            "status_code": response.status_code,
+        }
 
     async def aclose(self) -> None:
         await self.client.aclose()
@@ -210,8 +219,12 @@ class VLLMTarget:
 
     Build it with `await VLLMTarget.connect(url)`, which reads the served model name and
     ``max_model_len`` from ``/v1/models``. One pooled HTTP client is shared by every
-    session; close it with `aclose()`.
+    session; close it with `aclose()`. The verification strategy is each session's
+    (`SessionOptions.strategy`, default "nodes").
     """
+
+    label = "proxy"
+    strategies = STRATEGIES
 
     def __init__(
         self,
@@ -219,21 +232,13 @@ class VLLMTarget:
         model: str,
         max_model_len: int,
         eos_token_ids: Sequence[int],
-        strategy: Strategy = "nodes",
-        block_size: int = 32,
     ) -> None:
-        if strategy not in STRATEGIES:
-            raise ValueError(
-                f"Unknown vLLM verification strategy: {strategy!r}; valid: {STRATEGIES}"
-            )
         if not eos_token_ids:
             raise ValueError("eos_token_ids must not be empty")
         self.http = http
         self.name = model
         self.max_model_len = int(max_model_len)
         self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
-        self.strategy: Strategy = strategy
-        self.block_size = block_size  # the server's --block-size; only for cost estimates
 
     @classmethod
     async def connect(
@@ -243,11 +248,9 @@ class VLLMTarget:
         *,
         eos_token_ids: Sequence[int] | None = None,
         model_dir: str | Path | None = None,
-        strategy: Strategy = "nodes",
         api_key: str | None = None,
         connect_timeout: float = 5.0,
         read_timeout: float = 120.0,
-        block_size: int = 32,
         retry: RetryPolicy | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> VLLMTarget:
@@ -293,26 +296,32 @@ class VLLMTarget:
             max_model_len = entry.get("max_model_len")
             if not isinstance(max_model_len, int):
                 raise TargetError(f"/v1/models at {url} gives no max_model_len for {model!r}")
-            return cls(http, model, max_model_len, eos_token_ids, strategy, block_size)
+            return cls(http, model, max_model_len, eos_token_ids)
         except BaseException:
             await http.aclose()
             raise
 
-    async def start(
-        self,
-        prompt_ids: Sequence[int],
-        params: SamplingParams,
-        feature_layer_ids: tuple[int, ...] | None = None,
-        want_logprobs: bool = False,
-    ) -> VLLMSession:
-        if feature_layer_ids is not None:
+    def check_options(self, options: SessionOptions) -> None:
+        if options.feature_layer_ids is not None:
             raise ValueError(
                 "the vLLM HTTP backend cannot return target hidden states "
-                f"(feature_layer_ids={feature_layer_ids}); use engine mode for this drafter"
+                f"(feature_layer_ids={options.feature_layer_ids}); use engine mode for this "
+                "drafter"
             )
-        if self.strategy == "paths" and not params.greedy:
-            raise ValueError("strategy 'paths' reads argmaxes from prompt logprobs: greedy only")
-        return VLLMSession(self, params, want_logprobs)
+        strategy = options.strategy or DEFAULT_STRATEGY
+        if strategy not in STRATEGIES:
+            raise ValueError(
+                f"Unknown vLLM verification strategy: {strategy!r}; valid: {STRATEGIES}"
+            )
+        if strategy == "paths" and not options.sampling.greedy:
+            raise ValueError("'paths' reads argmaxes from prompt logprobs: greedy only")
+
+    async def start(self, prompt_ids: Sequence[int], options: SessionOptions) -> VLLMSession:
+        self.check_options(options)
+        return VLLMSession(self, options)
+
+    async def health(self) -> tuple[bool, dict[str, Any]]:
+        return await self.http.health()
 
     async def aclose(self) -> None:
         await self.http.aclose()
@@ -322,12 +331,12 @@ class VLLMSession:
     """One request's verifications. Stateless beyond counters: vLLM's prefix cache is
     the only thing carried between rounds."""
 
-    def __init__(self, target: VLLMTarget, params: SamplingParams, want_logprobs: bool) -> None:
+    def __init__(self, target: VLLMTarget, options: SessionOptions) -> None:
         self.target = target
-        self.params = params
-        self.want_logprobs = want_logprobs
+        self.params = options.sampling
+        self.want_logprobs = options.want_logprobs
+        self.strategy: Strategy = options.strategy or DEFAULT_STRATEGY
         self.counters = TargetCounters()
-        self.counters.extra["recomputed_tokens_est"] = 0.0
         self.prompt_features = None
 
     async def verify(self, committed: Sequence[int], tree: DraftTree) -> Verification:
@@ -341,7 +350,7 @@ class VLLMSession:
                 f"max_model_len {self.target.max_model_len}"
             )
         paths = _node_paths(tree)
-        if self.target.strategy == "paths":
+        if self.strategy == "paths":
             return await self._verify_paths(committed, tree, paths)
         return await self._verify_nodes(committed, tree, paths)
 
@@ -435,22 +444,8 @@ class VLLMSession:
         counters = self.counters
         counters.upstream_calls += 1
         counters.verify_prompt_tokens += sum(len(prompt) for prompt in prompts)
-        counters.extra["recomputed_tokens_est"] += self._recompute_estimate(
-            prompts, cached=not prompt_logprobs
-        )
         answer = await self.target.http.request_json("POST", "/v1/completions", body)
         return _parse_choices(answer, prompts, self.want_logprobs, prompt_logprobs)
-
-    def _recompute_estimate(self, prompts: list[list[int]], cached: bool) -> float:
-        """Tokens vLLM recomputes, assuming the committed context's full blocks (but
-        never a prompt's last token) are in its prefix cache from the previous round."""
-        if not cached:
-            return float(sum(len(prompt) for prompt in prompts))
-        block = self.target.block_size
-        total = 0
-        for prompt in prompts:
-            total += len(prompt) - (len(prompt) - 1) // block * block
-        return float(total)
 
     async def accept(self, tree: DraftTree, result: WalkResult) -> None:
         return None  # no features over HTTP; vLLM's prefix cache keeps the context

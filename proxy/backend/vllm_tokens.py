@@ -6,6 +6,7 @@ detokenization identical to what the server itself would do for the same request
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any, Sequence
 
 from proxy.backend.base import TargetError
@@ -13,11 +14,16 @@ from proxy.backend.vllm import VLLMHttp, VLLMTarget
 
 
 class VLLMTokens:
-    """Async tokenizer helpers for one served model."""
+    """The `proxy.tokens.Tokens` of one served model, through its server.
+
+    /detokenize keeps special tokens in the text (vLLM's completions skip them by
+    default); `skip_special_tokens` cannot be honoured here -- pass --tokenizer for
+    exact text when the model emits special tokens."""
 
     def __init__(self, http: VLLMHttp, model: str) -> None:
         self.http = http
         self.model = model
+        self._strings: dict[int, str] = {}
 
     @classmethod
     def of(cls, target: VLLMTarget) -> VLLMTokens:
@@ -49,7 +55,7 @@ class VLLMTokens:
             body["chat_template_kwargs"] = chat_template_kwargs
         return self._tokens(await self.http.request_json("POST", "/tokenize", body))
 
-    async def decode(self, token_ids: Sequence[int]) -> str:
+    async def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of `token_ids` (special tokens included, as vLLM's /detokenize gives it)."""
         body = {"model": self.model, "tokens": [int(t) for t in token_ids]}
         answer = await self.http.request_json("POST", "/detokenize", body)
@@ -60,6 +66,12 @@ class VLLMTokens:
         if not isinstance(text, str):
             raise TargetError(f"unexpected /detokenize answer: {answer!r:.300}")
         return text
+
+    async def token_strings(self, token_ids: list[int]) -> list[str]:
+        missing = sorted(set(token_ids) - self._strings.keys())
+        texts = await asyncio.gather(*(self.decode([token_id]) for token_id in missing))
+        self._strings.update(zip(missing, texts, strict=True))
+        return [self._strings[token_id] for token_id in token_ids]
 
     @staticmethod
     def _tokens(answer: Any) -> list[int]:

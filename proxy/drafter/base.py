@@ -9,11 +9,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, Sequence
-
-import torch
+from typing import TYPE_CHECKING, Protocol, Sequence
 
 from proxy.tree import DraftDistribution
+
+if TYPE_CHECKING:  # torch is needed only by the model drafters, which import it themselves
+    import torch
 
 
 @dataclass(frozen=True)

@@ -10,14 +10,16 @@ single match is never fully certain. Costs microseconds; strong on repetitive te
 from __future__ import annotations
 
 from collections import Counter
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
-import torch
 from numpy.lib.stride_tricks import sliding_window_view
 
 from proxy.drafter.base import TargetInfo
 from proxy.tree import DraftDistribution
+
+if TYPE_CHECKING:
+    import torch
 
 
 def _match_starts(tokens: np.ndarray, ngram: int) -> np.ndarray:

@@ -7,23 +7,22 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import jinja2
 import pydantic
 from fastapi import Request
 
-from proxy.api import (
+from proxy.backend.base import SessionOptions
+from proxy.decoding import GenerationRequest, PromptError, TreeSettings, resolve_depth
+from proxy.runtime import Runtime
+from proxy.sampling import SamplingParams
+from proxy.server.errors import RequestError
+from proxy.server.request_models import (
     ChatCompletionRequest,
     CompletionRequest,
     DDTreeOptions,
     Endpoint,
-    RequestError,
 )
-from proxy.backend.base import Target
-from proxy.config import ServerSettings
-from proxy.decoding import GenerationRequest, TreeSettings, resolve_depth
-from proxy.responses import ResponseWriter
-from proxy.sampling import SamplingParams
-from proxy.service import Service
+from proxy.server.responses import ResponseWriter
+from proxy.server.settings import ServerSettings
 
 # vLLM treats temperatures below this as greedy (its _SAMPLING_EPS); so do we.
 GREEDY_TEMPERATURE = 1e-5
@@ -35,7 +34,6 @@ class Plan:
 
     endpoint: Endpoint
     generation: GenerationRequest
-    target: Target
     writer: ResponseWriter
     skip_special_tokens: bool
     stream: bool
@@ -44,7 +42,7 @@ class Plan:
 
 
 async def plan_request(
-    service: Service,
+    runtime: Runtime,
     settings: ServerSettings,
     request: Request,
     endpoint: Endpoint,
@@ -61,7 +59,7 @@ async def plan_request(
             # is a client bug we report rather than spend compute on.
             raise RequestError("prompt: the prompt is only whitespace", param="prompt")
         if isinstance(prompt, str):
-            prompt_ids = await service.tokens.encode(prompt, parsed.add_special_tokens)
+            prompt_ids = await runtime.tokens.encode(prompt, parsed.add_special_tokens)
         else:
             prompt_ids = list(prompt)
         max_tokens = parsed.max_tokens
@@ -69,24 +67,22 @@ async def plan_request(
     else:
         assert isinstance(parsed, ChatCompletionRequest)
         try:
-            prompt_ids = await service.tokens.encode_chat(
+            prompt_ids = await runtime.tokens.encode_chat(
                 parsed.message_dicts,
                 parsed.add_generation_prompt,
                 parsed.continue_final_message,
                 parsed.chat_template_kwargs,
             )
-        except (ValueError, TypeError, KeyError, jinja2.TemplateError) as exc:
+        except ValueError as exc:
             raise RequestError(f"messages: {exc}", param="messages") from None
         max_tokens = parsed.max_completion_tokens or parsed.max_tokens
         prompt_field = "messages"
-    if not prompt_ids:
-        raise RequestError(f"{prompt_field}: the prompt has no tokens", param=prompt_field)
-    vocab_size = service.vocab_size
+    vocab_size = runtime.vocab_size
     if vocab_size is not None and any(not 0 <= t < vocab_size for t in prompt_ids):
         raise RequestError(
             f"{prompt_field}: token ids must lie in [0, {vocab_size})", param=prompt_field
         )
-    limit = service.max_model_len
+    limit = runtime.max_model_len
     if max_tokens is not None and max_tokens > limit:
         # No prompt leaves room for it: a client bug, not a request to clamp.
         field = (
@@ -109,13 +105,13 @@ async def plan_request(
     # rather than refusing a max_tokens that would pass it.
     room = limit - len(prompt_ids)
     max_tokens = room if max_tokens is None else min(max_tokens, room)
-    sampling = _sampling(parsed, service.sampling_defaults)
+    sampling = _sampling(parsed, runtime.sampling_defaults)
     want_logprobs = (
         parsed.logprobs is not None
         if isinstance(parsed, CompletionRequest)
         else bool(parsed.logprobs)
     )
-    tree, strategy = _tree(service, settings, parsed.ddtree, disabled, sampling, want_logprobs)
+    tree, strategy = _tree(runtime, settings, parsed.ddtree, disabled, sampling, want_logprobs)
     try:
         generation = GenerationRequest(
             prompt_ids=prompt_ids,
@@ -126,7 +122,10 @@ async def plan_request(
             stop_token_ids=tuple(parsed.stop_token_ids or ()),
             ignore_eos=parsed.ignore_eos,
             logprobs=want_logprobs,
+            strategy=strategy,
         )
+    except PromptError as exc:
+        raise RequestError(f"{prompt_field}: {exc}", param=prompt_field) from None
     except ValueError as exc:
         raise RequestError(str(exc)) from None
     request_id = (
@@ -138,10 +137,9 @@ async def plan_request(
     return Plan(
         endpoint=endpoint,
         generation=generation,
-        target=service.target(strategy),
         writer=ResponseWriter(
             endpoint=endpoint,
-            model=service.model_name,
+            model=runtime.model_name,
             request_id=request_id,
             return_token_ids=bool(parsed.return_token_ids),
             want_logprobs=want_logprobs,
@@ -169,7 +167,7 @@ def _sampling(
 
 
 def _tree(
-    service: Service,
+    runtime: Runtime,
     settings: ServerSettings,
     options: DDTreeOptions | None,
     disabled: bool,
@@ -185,29 +183,26 @@ def _tree(
         tree = TreeSettings(**{**settings.tree.model_dump(), **overrides})
     except pydantic.ValidationError as exc:
         raise _ddtree_error(exc) from None
-    strategy = options.strategy
-    if service.mode == "engine" and strategy is not None:
-        raise RequestError(
-            "ddtree.strategy: only proxy mode has verification strategies",
-            param="ddtree.strategy",
-        )
-    if service.mode == "proxy":
-        strategy = strategy or settings.strategy
-        if strategy == "paths" and (not sampling.greedy or want_logprobs):
-            raise RequestError(
-                "ddtree.strategy: 'paths' reads argmaxes from prompt logprobs, so it "
-                "serves greedy requests without logprobs only; use 'nodes'",
-                param="ddtree.strategy",
-            )
+    strategy = options.strategy or settings.strategy
+    if strategy is not None:
+        session = SessionOptions(sampling=sampling, want_logprobs=want_logprobs, strategy=strategy)
+        try:
+            runtime.target.check_options(session)
+            if strategy == "paths" and want_logprobs:
+                # Its log-probs come from prompt logprobs, which can differ from what vLLM
+                # reports for the same token in a completion.
+                raise ValueError("'paths' serves requests without logprobs only; use 'nodes'")
+        except ValueError as exc:
+            raise RequestError(f"ddtree.strategy: {exc}", param="ddtree.strategy") from None
     if tree.kind != "none":
-        if service.drafter is None:
+        if runtime.drafter is None:
             raise RequestError(
                 f"ddtree.kind: {tree.kind!r} needs a drafter, and this server runs without "
                 "one; use kind 'none'",
                 param="ddtree.kind",
             )
         try:
-            resolve_depth(tree, service.drafter)
+            resolve_depth(tree, runtime.drafter)
         except ValueError as exc:
             raise RequestError(f"ddtree.depth: {exc}", param="ddtree.depth") from None
     return tree, strategy

@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP server (FastAPI + uvicorn): the app, its routes and
-API-key guard, `ddtree-proxy serve`, and a background server for tests and benchmarks.
-What a request does is in `proxy.serving` (and `proxy.passthrough`).
+API-key guard, and `ddtree-proxy serve`. What a request does is in
+`proxy.server.handlers`.
 """
 
 from __future__ import annotations
@@ -8,8 +8,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-import socket
-import threading
 from contextlib import asynccontextmanager
 from typing import Any, Mapping
 
@@ -19,23 +17,24 @@ from fastapi import Depends, FastAPI, Request, Response
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
 
-from proxy.api import REQUEST_MODELS, RequestError, error_body
-from proxy.config import ServerSettings, settings_from_sources
-from proxy.service import Service, build_service
-from proxy.serving import Serving
+from proxy.runtime import Runtime, build_runtime
+from proxy.server.errors import RequestError, error_body
+from proxy.server.handlers import Handlers
+from proxy.server.request_models import REQUEST_MODELS
+from proxy.server.settings import ServerSettings, settings_from_sources
 
 logger = logging.getLogger("ddtree_proxy.server")
 
 
 def create_app(
     settings: ServerSettings,
-    service: Service | None = None,
+    runtime: Runtime | None = None,
     transport: httpx.AsyncBaseTransport | None = None,
 ) -> FastAPI:
-    """The app. Without `service`, it is built when the app starts and closed when it
+    """The app. Without `runtime`, it is built when the app starts and closed when it
     stops (so it lives in the server's event loop); `transport` then goes to
-    `build_service` (tests inject a mock upstream)."""
-    server = Serving(settings, service)
+    `build_runtime` (tests inject a mock upstream)."""
+    server = Handlers(settings, runtime)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -135,55 +134,21 @@ def run_server(args: Any) -> int:
 
 
 async def _serve(settings: ServerSettings) -> int:
-    service = await build_service(settings)
+    runtime = await build_runtime(settings)
     try:
-        app = create_app(settings, service)
+        app = create_app(settings, runtime)
         config = uvicorn.Config(
             app, host=settings.host, port=settings.port, log_level=settings.log_level
         )
-        mode = f"proxy for {settings.target_url}" if settings.proxy_mode else "engine"
         logger.warning(
-            "ddtree-proxy (%s) serving %s on http://%s:%d",
-            mode,
-            service.model_name,
+            "ddtree-proxy (%s, target %s) serving %s on http://%s:%d",
+            runtime.target.label,
+            settings.target_url or "in-process",
+            runtime.model_name,
             settings.host,
             settings.port,
         )
         await uvicorn.Server(config).serve()
     finally:
-        await service.aclose()
+        await runtime.aclose()
     return 0
-
-
-class BackgroundServer:
-    """Serve an app with uvicorn in a daemon thread on a free loopback port; for tests
-    and benchmarks. Use as a context manager; `url` is its base URL."""
-
-    def __init__(self, app: FastAPI, host: str = "127.0.0.1", start_timeout: float = 120.0):
-        self._socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._socket.bind((host, 0))
-        self.url = f"http://{host}:{self._socket.getsockname()[1]}"
-        self._server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
-        self._thread = threading.Thread(
-            target=self._server.run, kwargs={"sockets": [self._socket]}, daemon=True
-        )
-        self._start_timeout = start_timeout
-
-    def __enter__(self) -> "BackgroundServer":
-        self._thread.start()
-        waited = 0.0
-        while not self._server.started:
-            if not self._thread.is_alive():
-                raise RuntimeError("the server exited during start-up (see its log)")
-            if waited > self._start_timeout:
-                self.__exit__()
-                raise RuntimeError(f"the server did not start within {self._start_timeout} s")
-            self._thread.join(0.05)
-            waited += 0.05
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self._server.should_exit = True
-        self._thread.join(30)
-        self._socket.close()

@@ -23,25 +23,34 @@ _LATENCY_BUCKETS = (
 _ACCEPTANCE_BUCKETS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 24, 32, 64)
 
 
+def _counter(registry: CollectorRegistry, name: str, documentation: str, *labels: str) -> Counter:
+    return Counter(name, documentation, list(labels), registry=registry)
+
+
+def _latency(name: str, documentation: str, registry: CollectorRegistry) -> Histogram:
+    return Histogram(name, documentation, buckets=_LATENCY_BUCKETS, registry=registry)
+
+
 class ServerMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         registry = self.registry
-        self.requests = Counter(
+        self.requests = _counter(
+            registry,
             "ddtree_requests",
             "Generation requests by endpoint and how they were served (ddtree, passthrough, error)",
-            ["endpoint", "served_by"],
-            registry=registry,
+            "endpoint",
+            "served_by",
         )
-        self.passthroughs = Counter(
+        self.passthroughs = _counter(
+            registry,
             "ddtree_passthroughs",
             "Requests sent to the upstream unchanged, by the field that required it",
-            ["reason"],
-            registry=registry,
+            "reason",
         )
-        self.rounds = Counter("ddtree_rounds", "Draft-verify rounds", registry=registry)
-        self.generated_tokens = Counter(
-            "ddtree_generated_tokens", "Tokens emitted by DDTree-served requests", registry=registry
+        self.rounds = _counter(registry, "ddtree_rounds", "Draft-verify rounds")
+        self.generated_tokens = _counter(
+            registry, "ddtree_generated_tokens", "Tokens emitted by DDTree-served requests"
         )
         self.acceptance_length = Histogram(
             "ddtree_acceptance_length",
@@ -49,48 +58,42 @@ class ServerMetrics:
             buckets=_ACCEPTANCE_BUCKETS,
             registry=registry,
         )
-        self.draft_seconds = Histogram(
-            "ddtree_draft_seconds",
-            "Per round: drafting plus tree building",
-            buckets=_LATENCY_BUCKETS,
-            registry=registry,
+        self.draft_seconds = _latency(
+            "ddtree_draft_seconds", "Per round: drafting plus tree building", registry
         )
-        self.verify_seconds = Histogram(
-            "ddtree_verify_seconds",
-            "Per round: verifying the tree on the target",
-            buckets=_LATENCY_BUCKETS,
-            registry=registry,
+        self.verify_seconds = _latency(
+            "ddtree_verify_seconds", "Per round: verifying the tree on the target", registry
         )
-        self.upstream_calls = Counter(
-            "ddtree_upstream_calls", "Verification calls made to the upstream", registry=registry
+        self.upstream_calls = _counter(
+            registry, "ddtree_upstream_calls", "Verification calls made to the upstream"
         )
-        self.upstream_errors = Counter(
+        self.upstream_errors = _counter(
+            registry,
             "ddtree_upstream_errors",
             "Upstream failures seen by clients, by kind (timeout, connect, network, http, malformed)",
-            ["kind"],
-            registry=registry,
+            "kind",
         )
-        self.upstream_retries = Counter(
+        self.upstream_retries = _counter(
+            registry,
             "ddtree_upstream_retries",
             "Idempotent upstream calls retried, by the failure that caused the retry",
-            ["kind"],
-            registry=registry,
+            "kind",
         )
-        self.rejected = Counter(
+        self.rejected = _counter(
+            registry,
             "ddtree_rejected",
             "Requests refused before serving, by reason (queue_full, body_too_large)",
-            ["reason"],
-            registry=registry,
+            "reason",
         )
-        self.deadline_exceeded = Counter(
+        self.deadline_exceeded = _counter(
+            registry,
             "ddtree_deadline_exceeded",
             "Generation requests cut by the per-request deadline",
-            registry=registry,
         )
-        self.client_disconnects = Counter(
+        self.client_disconnects = _counter(
+            registry,
             "ddtree_client_disconnects",
             "Streams whose client went away before the end (generation stopped)",
-            registry=registry,
         )
         self.active = Gauge(
             "ddtree_active_requests", "Generation requests being served", registry=registry

@@ -1,5 +1,5 @@
 """The OpenAI-compatible requests: their models, which ones DDTree serves and which it
-must pass through, and OpenAI-style errors (responses are in `proxy.responses`).
+must pass through (responses are in `proxy.server.responses`).
 
 A request field is one of three things:
 * served: DDTree reproduces vLLM's output for it (prompt, max_tokens, sampling, stop...);
@@ -17,33 +17,11 @@ from typing import Any, Callable, ClassVar, Literal
 import pydantic
 from pydantic import BaseModel, ConfigDict, Field
 
+from proxy.backend.vllm import Strategy
+from proxy.decoding import TreeKind
+from proxy.server.errors import RequestError
+
 Endpoint = Literal["completions", "chat"]
-
-
-class RequestError(Exception):
-    """A client-visible error, rendered as an OpenAI-style error body."""
-
-    def __init__(
-        self,
-        message: str,
-        param: str | None = None,
-        status: int = 400,
-        err_type: str = "invalid_request_error",
-        headers: dict[str, str] | None = None,
-    ):
-        super().__init__(message)
-        self.message = message
-        self.param = param
-        self.status = status
-        self.err_type = err_type
-        self.headers = headers or {}
-
-    def body(self) -> dict[str, Any]:
-        return error_body(self.message, self.err_type, self.status, self.param)
-
-
-def error_body(message: str, err_type: str, code: int, param: str | None = None) -> dict:
-    return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
 
 
 class DDTreeOptions(BaseModel):
@@ -52,10 +30,10 @@ class DDTreeOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     enabled: bool = Field(True, description="false: pass the request to vLLM unchanged")
-    kind: Literal["ddtree", "chain", "none"] | None = Field(None, description="tree shape")
+    kind: TreeKind | None = Field(None, description="tree shape")
     budget: int | None = Field(None, description="tree nodes per round")
     depth: int | None = Field(None, description="levels per round")
-    strategy: Literal["nodes", "paths"] | None = Field(None, description="proxy verification")
+    strategy: Strategy | None = Field(None, description="proxy verification")
 
 
 class StreamOptions(BaseModel):
@@ -278,8 +256,6 @@ class CompletionRequest(_GenerationRequest):
         prompt = self.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]
-        if not prompt:
-            raise RequestError("prompt: the prompt is empty", param="prompt")
         return prompt
 
 

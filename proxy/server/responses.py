@@ -3,14 +3,25 @@
 
 from __future__ import annotations
 
+import json
 import math
 import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from proxy.api import Endpoint
 from proxy.decoding import GenerationStats
+from proxy.server.request_models import Endpoint
+
+
+def sse(payload: dict[str, Any] | str) -> bytes:
+    """One server-sent event: `data: <compact JSON or [DONE]>`."""
+    data = (
+        payload
+        if isinstance(payload, str)
+        else json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
+    )
+    return f"data: {data}\n\n".encode()
 
 
 def ddtree_usage(stats: GenerationStats) -> dict[str, Any]:
@@ -38,6 +49,18 @@ def usage_body(
 def _finite(logprob: float) -> float:
     # JSON has no -inf; vLLM reports such log-probs as -9999.0 too.
     return logprob if math.isfinite(logprob) else -9999.0
+
+
+@dataclass(frozen=True)
+class Choice:
+    """What one choice carries: the output so far (a body) or one round's part (a chunk)."""
+
+    text: str
+    token_ids: list[int]
+    token_strings: list[str]  # each token's own text, for logprobs (empty if not asked)
+    logprobs: list[float]
+    finish_reason: str | None
+    stop_reason: int | str | None
 
 
 @dataclass
@@ -90,16 +113,8 @@ class ResponseWriter:
             ],
         }
 
-    def _choice(
-        self,
-        text: str,
-        token_ids: list[int],
-        token_strings: list[str],
-        logprobs: list[float],
-        finish_reason: str | None,
-        stop_reason: int | str | None,
-        stream: bool,
-    ) -> dict[str, Any]:
+    def _choice(self, out: Choice, stream: bool) -> dict[str, Any]:
+        text = out.text
         choice: dict[str, Any] = {"index": 0}
         if self.endpoint == "completions":
             choice["text"] = text
@@ -107,27 +122,17 @@ class ResponseWriter:
             choice["delta"] = {"content": text} if text else {}
         else:
             choice["message"] = {"role": "assistant", "content": text, "tool_calls": []}
-        choice["logprobs"] = self._logprobs(token_strings, logprobs)
-        choice["finish_reason"] = finish_reason
-        choice["stop_reason"] = stop_reason
+        choice["logprobs"] = self._logprobs(out.token_strings, out.logprobs)
+        choice["finish_reason"] = out.finish_reason
+        choice["stop_reason"] = out.stop_reason
         if self.return_token_ids:
-            choice["token_ids"] = token_ids
+            choice["token_ids"] = out.token_ids
         return choice
 
     def response(
-        self,
-        text: str,
-        prompt_ids: list[int],
-        token_ids: list[int],
-        token_strings: list[str],
-        logprobs: list[float],
-        finish_reason: str,
-        stop_reason: int | str | None,
-        usage: dict[str, Any],
+        self, out: Choice, prompt_ids: list[int], usage: dict[str, Any]
     ) -> dict[str, Any]:
-        choice = self._choice(
-            text, token_ids, token_strings, logprobs, finish_reason, stop_reason, stream=False
-        )
+        choice = self._choice(out, stream=False)
         body: dict[str, Any] = {
             "id": self.id,
             "object": "text_completion" if self.endpoint == "completions" else "chat.completion",
@@ -174,18 +179,11 @@ class ResponseWriter:
 
     def chunk(
         self,
-        text: str,
-        token_ids: list[int],
-        token_strings: list[str],
-        logprobs: list[float],
-        finish_reason: str | None,
-        stop_reason: int | str | None,
+        out: Choice,
         prompt_ids: list[int] | None = None,
         usage: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
-        choice = self._choice(
-            text, token_ids, token_strings, logprobs, finish_reason, stop_reason, stream=True
-        )
+        choice = self._choice(out, stream=True)
         if prompt_ids is not None and self.return_token_ids and self.endpoint == "completions":
             choice["prompt_token_ids"] = prompt_ids
         chunk = self._chunk([choice])

@@ -1,0 +1,106 @@
+"""One speculation round: draft -> build -> verify -> walk -> commit.
+
+The terms (root, node, accepted tokens, bonus token, acceptance length) are defined in
+`proxy.tree.tree`. A round with depth 0 or no drafter verifies the root alone, which is
+one step of plain decoding through the same code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+
+from proxy.backend.base import TargetSession
+from proxy.drafter.base import DraftSession
+from proxy.tree import DraftTree, build_chain, build_tree, walk
+
+
+@dataclass(frozen=True)
+class RoundShape:
+    """How this round's tree is drawn."""
+
+    kind: Literal["ddtree", "chain", "none"]
+    budget: int  # tree nodes (ddtree)
+    depth: int  # levels below the root; 0 = verify the root alone
+
+
+@dataclass(frozen=True)
+class RoundStats:
+    acceptance_length: int  # accepted drafted tokens + 1 bonus token
+    num_nodes: int  # tree nodes, root excluded
+    draft_s: float
+    tree_s: float
+    verify_s: float  # verify + walk + keep the accepted path
+    upstream_calls: int  # HTTP calls this round made (0 in engine mode)
+    verify_prompt_tokens: int  # tokens this round sent to the target
+
+
+@dataclass(frozen=True)
+class Round:
+    tokens: list[int]  # committed this round: accepted tokens, then the bonus token
+    logprobs: list[float] | None  # the target's log-prob of each, when asked for
+    stats: RoundStats
+
+
+def root_only(root_token: int) -> DraftTree:
+    return DraftTree(
+        token_ids=np.asarray([root_token], dtype=np.int64),
+        depths=np.zeros(1, dtype=np.int64),
+        parents=np.full(1, -1, dtype=np.int64),
+        path_log_probs=np.zeros(1),
+        children=({},),
+    )
+
+
+async def speculate(
+    session: TargetSession,
+    draft_session: DraftSession | None,
+    committed: list[int],
+    shape: RoundShape,
+) -> Round:
+    """Run one round and append its tokens to `committed` (whose last token is the root)."""
+    calls_before = session.counters.upstream_calls
+    tokens_before = session.counters.verify_prompt_tokens
+    root = committed[-1]
+    start = time.perf_counter()
+    drafted = start
+    if shape.depth >= 1 and draft_session is not None and shape.kind != "none":
+        chain = shape.kind == "chain"
+        top_k = 1 if chain else shape.budget
+        # A model drafter computes for milliseconds: keep the event loop free.
+        dist = await asyncio.to_thread(draft_session.propose, committed, shape.depth, top_k)
+        drafted = time.perf_counter()
+        if chain:
+            tree = build_chain(root, dist, shape.depth)
+        else:
+            tree = build_tree(root, dist, shape.budget, shape.depth)
+    else:
+        tree = root_only(root)
+    built = time.perf_counter()
+
+    verification = await session.verify(committed, tree)
+    result = walk(tree, verification.tokens)
+    features = await session.accept(tree, result)
+    verified = time.perf_counter()
+
+    new_tokens = result.committed_tokens
+    logprobs = None
+    if verification.logprobs is not None:
+        logprobs = [float(verification.logprobs[row]) for row in (0, *result.accepted_nodes)]
+    committed.extend(new_tokens)
+    if draft_session is not None:
+        draft_session.advance(committed, features)
+    stats = RoundStats(
+        acceptance_length=result.acceptance_length,
+        num_nodes=tree.num_nodes,
+        draft_s=drafted - start,
+        tree_s=built - drafted,
+        verify_s=verified - built,
+        upstream_calls=session.counters.upstream_calls - calls_before,
+        verify_prompt_tokens=session.counters.verify_prompt_tokens - tokens_before,
+    )
+    return Round(tokens=list(new_tokens), logprobs=logprobs, stats=stats)

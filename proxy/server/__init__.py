@@ -1,0 +1,20 @@
+"""The OpenAI-compatible HTTP layer.
+
+| module | holds |
+|---|---|
+| `app` | the FastAPI app, routes, API-key guard, `ddtree-proxy serve` |
+| `handlers` | what each route does: serve with DDTree, pass through, refuse |
+| `generation` | a planned request through the decoding loop: JSON body or SSE stream |
+| `plan` | from a validated request to a `GenerationRequest` (tokenize, limits, tree) |
+| `request_models` | request bodies, which fields DDTree serves and which pass through |
+| `responses` | response bodies, stream chunks, `usage` (with `usage.ddtree`) |
+| `passthrough` | relaying a request to vLLM unchanged |
+| `errors` | OpenAI-style errors, and the client's view of an upstream failure |
+| `admission` | the admission queue (429) and streams that hold their slot |
+| `metrics` | Prometheus metrics |
+| `settings` | `ServerSettings` (CLI flags and DDTREE_* variables) |
+"""
+
+from proxy.server.app import create_app, run_server
+
+__all__ = ["create_app", "run_server"]

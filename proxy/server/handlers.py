@@ -1,0 +1,209 @@
+"""The route handlers: what each HTTP request does.
+
+A generation request is either served by the one decoding loop (through
+`proxy.server.generation.Responder`) or, where the runtime has an upstream (proxy
+mode), passed to vLLM unchanged: when it asks for something DDTree cannot reproduce
+losslessly (see `proxy.server.request_models`), when it opts out (`"ddtree":
+{"enabled": false}` or header `x-ddtree: off`), or when it names another model than
+the one DDTree verifies against. Without an upstream (engine mode) such requests are
+refused with a 400 naming the field. Errors follow OpenAI's shape; an upstream
+failure is a 502 (504 on timeout).
+
+Hardening (docs/RELIABILITY.md): bodies over `max_body_bytes` get a 413; at most
+`max_active` generations run and `max_queue` wait, beyond which a 429 with Retry-After;
+each generation has a deadline (`request_timeout`: 504, or mid-stream an error event);
+a client that goes away mid-stream cancels its generation at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import httpx
+from fastapi import Request, Response
+from fastapi.responses import JSONResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from proxy.backend.base import TargetError
+from proxy.runtime import Runtime, build_runtime
+from proxy.server.admission import Admission
+from proxy.server.errors import RequestError, upstream_error
+from proxy.server.generation import Responder
+from proxy.server.metrics import ServerMetrics
+from proxy.server.passthrough import relay
+from proxy.server.plan import opted_out, plan_request
+from proxy.server.request_models import REQUEST_MODELS, Endpoint
+from proxy.server.settings import ServerSettings
+
+PATHS: dict[Endpoint, str] = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
+
+
+class Handlers:
+    """Route handlers; `runtime` is set when the app starts."""
+
+    def __init__(self, settings: ServerSettings, runtime: Runtime | None):
+        self.settings = settings
+        self._runtime = runtime
+        self._owns_runtime = False
+        self.metrics = ServerMetrics()
+        self.admission = Admission(settings.max_active, settings.max_queue, self.metrics)
+
+    async def start(self, transport: httpx.AsyncBaseTransport | None = None) -> None:
+        """Build the runtime unless one was given (so it lives in the server's loop)."""
+        if self._runtime is None:
+            self._runtime = await build_runtime(self.settings, transport)
+            self._owns_runtime = True
+        upstream = self._runtime.upstream
+        if upstream is not None:
+            retries = self.metrics.upstream_retries
+            upstream.on_retry = lambda kind: retries.labels(kind).inc()
+
+    async def stop(self) -> None:
+        if self._owns_runtime and self._runtime is not None:
+            await self._runtime.aclose()
+            self._runtime = None
+
+    @property
+    def runtime(self) -> Runtime:
+        if self._runtime is None:
+            raise RequestError("server is starting", status=503, err_type="service_unavailable")
+        return self._runtime
+
+    # ----- generation -------------------------------------------------------------
+
+    async def generate(self, request: Request, endpoint: Endpoint) -> Response:
+        deadline = asyncio.get_running_loop().time() + self.settings.request_timeout
+        raw = await self._read_body(request)
+        try:
+            body = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise RequestError(f"request body is not valid JSON: {exc}") from None
+        if not isinstance(body, dict):
+            raise RequestError("request body must be a JSON object")
+        runtime = self.runtime
+        disabled = opted_out(request, body)
+        request_model = REQUEST_MODELS[endpoint]
+        reason = request_model.passthrough_reason(body)
+        model = body.get("model")
+        if runtime.upstream is not None:
+            if reason is None and model is not None and model != runtime.model_name:
+                reason = "model"  # e.g. a LoRA adapter: not the target DDTree verifies
+            if disabled or reason is not None:
+                return await self.passthrough(
+                    request, endpoint, raw, body, reason="opt_out" if disabled else reason
+                )
+        parsed = request_model.parse(body)
+        if parsed.model is not None and parsed.model != runtime.model_name:
+            raise RequestError(
+                f"The model `{parsed.model}` does not exist.",
+                param="model",
+                status=404,
+                err_type="NotFoundError",
+            )
+        if reason is not None:
+            raise RequestError(
+                f"{reason}: DDTree cannot serve this request losslessly, and engine mode "
+                "has no upstream server to pass it to",
+                param=reason,
+            )
+        responder = Responder(runtime, self.metrics, self._deadline_error)
+        release = await self.admission.acquire(deadline)
+        try:
+            async with asyncio.timeout_at(deadline):
+                plan = await plan_request(
+                    runtime, self.settings, request, endpoint, parsed, disabled=disabled
+                )
+            if plan.stream:
+                response = await responder.stream(plan, deadline)
+                response.on_close = release  # the stream holds its slot until it ends
+                release = None
+                return response
+            return await responder.complete(plan, deadline)
+        except TargetError as exc:
+            raise upstream_error(exc, self.metrics) from None
+        except TimeoutError:
+            raise self._deadline_error() from None
+        finally:
+            if release is not None:
+                release()
+
+    async def _read_body(self, request: Request) -> bytes:
+        """The body, or a 413 as soon as it is known to pass `max_body_bytes`."""
+        limit = self.settings.max_body_bytes
+        too_large = RequestError(
+            f"request body is larger than the limit of {limit} bytes",
+            status=413,
+            err_type="request_too_large",
+        )
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            self.metrics.rejected.labels("body_too_large").inc()
+            raise too_large
+        chunks: list[bytes] = []
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                self.metrics.rejected.labels("body_too_large").inc()
+                raise too_large
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    def _deadline_error(self) -> RequestError:
+        self.metrics.deadline_exceeded.inc()
+        return RequestError(
+            f"request deadline of {self.settings.request_timeout:g} s exceeded "
+            "(server setting request_timeout)",
+            status=504,
+            err_type="timeout_error",
+        )
+
+    # ----- pass-through -----------------------------------------------------------
+
+    async def passthrough(
+        self, request: Request, endpoint: Endpoint, raw: bytes, body: dict[str, Any], reason: str
+    ) -> Response:
+        """Send the request to vLLM unchanged (less our `ddtree` field); relay its answer,
+        status and body bytes, streaming included."""
+        self.metrics.passthroughs.labels(reason).inc()
+        self.metrics.requests.labels(endpoint, "passthrough").inc()
+        if "ddtree" in body:
+            raw = json.dumps(
+                {key: value for key, value in body.items() if key != "ddtree"}
+            ).encode()
+        upstream = self.runtime.upstream
+        assert upstream is not None
+        return await relay(upstream, self.metrics, request, "POST", PATHS[endpoint], raw)
+
+    # ----- other routes -----------------------------------------------------------
+
+    async def models(self, request: Request) -> Response:
+        runtime = self.runtime
+        if runtime.upstream is not None:
+            return await relay(runtime.upstream, self.metrics, request, "GET", "/v1/models", None)
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": runtime.model_name,
+                        "object": "model",
+                        "created": runtime.created,
+                        "owned_by": "ddtree-proxy",
+                        "root": runtime.model_name,
+                        "max_model_len": runtime.max_model_len,
+                    }
+                ],
+            }
+        )
+
+    async def health(self) -> Response:
+        if self._runtime is None:
+            return JSONResponse({"status": "starting"}, status_code=503)
+        healthy, body = await self._runtime.health()
+        return JSONResponse(body, status_code=200 if healthy else 503)
+
+    def metrics_text(self) -> Response:
+        return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
