@@ -40,6 +40,8 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     shape.add_argument("--chain", action="store_true", help="plain chain of depth D")
     shape.add_argument("--no-draft", action="store_true", help="no speculation at all")
     parser.add_argument("--depth", type=int, default=None, help="tree depth per round")
+    parser.add_argument("--device", default=None, help="auto (default: cuda if present), cpu, cuda")
+    parser.add_argument("--dtype", default=None, help="auto (bfloat16 on cuda, else float32), ...")
     parser.add_argument(
         "--torch-threads",
         type=int,
@@ -61,7 +63,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         if args.torch_threads < 1:
             raise ValueError(f"--torch-threads must be >= 1, got {args.torch_threads}")
         torch.set_num_threads(args.torch_threads)
-    engine = Engine.load(args.target, None if tree.kind == "none" else args.drafter)
+    drafter = None if tree.kind == "none" else args.drafter
+    engine = Engine.load(args.target, drafter, device=args.device, dtype=args.dtype)
     prompt_ids = engine.encode(args.prompt)
     request = GenerationRequest(
         prompt_ids=prompt_ids, max_tokens=args.max_tokens, sampling=sampling, tree=tree
@@ -125,6 +128,8 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
     shape.add_argument("--chain", action="store_true", help="plain chain of depth D")
     shape.add_argument("--no-draft", action="store_true", help="no speculation at all")
     parser.add_argument("--depth", type=int, default=None, help="tree depth per round")
+    parser.add_argument("--device", default=None, help="auto (default: cuda if present), cpu, cuda")
+    parser.add_argument("--dtype", default=None, help="auto (bfloat16 on cuda, else float32), ...")
     parser.add_argument(
         "--strategy", choices=["nodes", "paths"], default=None, help="proxy: verification (nodes)"
     )

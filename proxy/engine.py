@@ -35,9 +35,18 @@ class Engine:
     drafter: Drafter | None
 
     @classmethod
-    def load(cls, target_dir: str | Path, drafter_spec: str | None) -> "Engine":
+    def load(
+        cls,
+        target_dir: str | Path,
+        drafter_spec: str | None,
+        device: str | None = None,
+        dtype: str | None = None,
+    ) -> "Engine":
+        """device: auto (default: CUDA when present, else CPU), cpu, cuda, cuda:N;
+        dtype: auto (default: bfloat16 on CUDA, float32 on CPU), float32, bfloat16,
+        float16. Model drafters run on the target's device in its dtype."""
         target_dir = Path(target_dir)
-        target = LocalTarget.from_dir(target_dir)
+        target = LocalTarget.from_dir(target_dir, dtype=dtype, device=device)
         tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
         drafter = None
         if drafter_spec:
