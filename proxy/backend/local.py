@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Sequence
 
@@ -68,6 +69,13 @@ class LocalTarget:
             [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
         )
         self._lock = threading.Lock()
+        # One long-lived thread runs every forward: a fresh thread per request (the
+        # default executor of each asyncio.run) would redo its thread set-up each time.
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ddtree-target")
+
+    async def run(self, func, *args):
+        """func(*args) on the target's worker thread, awaited."""
+        return await asyncio.get_running_loop().run_in_executor(self._executor, func, *args)
 
     @classmethod
     def from_dir(
@@ -103,7 +111,7 @@ class LocalTarget:
                     f"feature layer {layer_id} out of range for a target with {num_layers} layers"
                 )
         session = LocalSession(self, params, feature_layer_ids, want_logprobs)
-        await asyncio.to_thread(session.prefill, list(prompt_ids))
+        await self.run(session.prefill, list(prompt_ids))
         return session
 
 
@@ -204,7 +212,7 @@ class LocalSession:
         return features
 
     async def verify(self, committed: Sequence[int], tree: DraftTree) -> Verification:
-        return await asyncio.to_thread(self._verify, committed, tree)
+        return await self.target.run(self._verify, committed, tree)
 
     async def accept(self, tree: DraftTree, result: WalkResult) -> torch.Tensor | None:
         return self._accept(tree, result)
