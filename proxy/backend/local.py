@@ -91,10 +91,6 @@ class LocalTarget:
         model = load_causal_lm(model_dir, resolve_dtype(dtype, resolved)).to(resolved)
         return cls(model, name=model_dir.name, model_dir=model_dir)
 
-    @property
-    def device(self) -> torch.device:
-        return self.decoder.device
-
     async def start(
         self,
         prompt_ids: Sequence[int],
