@@ -63,12 +63,19 @@ def test_markdown_table():
         "rounds_identical": 247, "rounds_compared": 255,
         "reference_tau_kept_tokens": 3.984, "ours_tau_same_rounds": 4.0,
         "mismatched_prompts": 0,
+        "reference_ms_per_round": {"draft": 2.0, "verify": 9.0, "other": 1.0, "total": 12.0},
+        "ours_ms_per_round": {"draft": 1.5, "tree": 0.1, "verify": 7.0, "other": 0.4, "total": 9.0},
     }  # fmt: skip
     report = {
         "date": "2026-12-01T09:00:00+00:00", "command": "python -m benchmarks.reference",
         "prompts": 8, "max_tokens": 128, "machine": {"torch_threads": 1}, "rows": [row],
     }  # fmt: skip
     lines = render_markdown(report).splitlines()
-    assert lines[-1] == (
+    assert (
         "| ddtree B=32 | 4.06 | 3.98 | 100.0 | 130.0 | 1.30 | 1.25 | 247/255 | 3.984 / 4.000 | 0 |"
+        in lines
+    )
+    assert lines[-1] == (
+        "| ddtree B=32 | draft 2.00, verify 9.00, other 1.00, total 12.00 "
+        "| draft 1.50, tree 0.10, verify 7.00, other 0.40, total 9.00 |"
     )
