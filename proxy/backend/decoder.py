@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from proxy.hf import select_target_features
+from proxy.hf import FEATURE_LAYER_OFFSET, select_target_features
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen3")
 
@@ -179,7 +179,8 @@ class Decoder:
         causal = attention_mask is None and start == 0 and num_tokens > 1
         wanted = set()
         if feature_layer_ids is not None:
-            wanted = {layer_id + 1 for layer_id in feature_layer_ids}  # hidden_states indices
+            # indices into the hidden_states sequence that select_target_features reads
+            wanted = {layer_id + FEATURE_LAYER_OFFSET for layer_id in feature_layer_ids}
         states: list[torch.Tensor | None] = [None] * (self.num_layers + 1)
 
         hidden = self.embed(input_ids)  # [n, H]
@@ -209,7 +210,7 @@ class Decoder:
             gate, up = F.linear(x, w["gate_up"]).split(self.intermediate_size, dim=-1)
             hidden = hidden + F.linear(F.silu(gate) * up, w["down"])
             if layer_idx + 1 in wanted and layer_idx + 1 < self.num_layers:
-                states[layer_idx + 1] = hidden
+                states[layer_idx + 1] = hidden  # hidden_states[i + 1]: decoder layer i's output
         hidden = F.rms_norm(hidden, (self.hidden_size,), self.final_norm, self.eps)
         # Transformers' last hidden_states entry is the final-norm output.
         states[self.num_layers] = hidden
