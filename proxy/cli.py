@@ -31,6 +31,19 @@ def _tree_settings(args: argparse.Namespace) -> TreeSettings:
     return TreeSettings(kind=kind, budget=args.budget, depth=args.depth)
 
 
+def _add_device_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--device",
+        default=None,
+        help="in-process models: auto (cuda if present, else cpu), cpu, cuda[:N]",
+    )
+    parser.add_argument(
+        "--dtype",
+        default=None,
+        help="in-process models: auto (bfloat16 on cuda, else float32), float32, bfloat16, float16",
+    )
+
+
 def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--target", default=str(DEFAULT_TARGET_DIR), help="local target model directory"
@@ -45,6 +58,7 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     shape.add_argument("--chain", action="store_true", help="plain chain of depth D")
     shape.add_argument("--no-draft", action="store_true", help="no speculation at all")
     parser.add_argument("--depth", type=int, default=None, help="tree depth per round")
+    _add_device_args(parser)
     parser.add_argument(
         "--torch-threads",
         type=int,
@@ -62,6 +76,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         drafter=args.drafter,
         tree=_tree_settings(args),
         torch_threads=args.torch_threads,
+        device=args.device,
+        dtype=args.dtype,
     )
     sampling = SamplingParams(
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed
@@ -161,6 +177,7 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
     shape.add_argument("--chain", action="store_true", help="plain chain of depth D")
     shape.add_argument("--no-draft", action="store_true", help="no speculation at all")
     parser.add_argument("--depth", type=int, default=None, help="tree depth per round")
+    _add_device_args(parser)
     parser.add_argument(
         "--strategy",
         choices=get_args(Strategy),

@@ -119,8 +119,17 @@ def target_info(
     )
 
 
-def load_engine(target_dir: str | Path, drafter_spec: str | None) -> Runtime:
-    """Engine mode from a model directory and a drafter spec (None: no drafter)."""
+def load_engine(
+    target_dir: str | Path,
+    drafter_spec: str | None,
+    device: str | None = None,
+    dtype: str | None = None,
+) -> Runtime:
+    """Engine mode from a model directory and a drafter spec (None: no drafter).
+
+    device: auto (default: CUDA when present, else CPU), cpu, cuda, cuda:N; dtype: auto
+    (default: bfloat16 on CUDA, float32 on CPU), float32, bfloat16, float16. Model
+    drafters run on the target's device in its dtype."""
     try:
         from transformers import AutoTokenizer
 
@@ -130,7 +139,7 @@ def load_engine(target_dir: str | Path, drafter_spec: str | None) -> Runtime:
     target_dir = Path(target_dir)
     if drafter_spec:
         parse_drafter_spec(drafter_spec)  # an unknown name fails before any model loads
-    target = LocalTarget.from_dir(target_dir)
+    target = LocalTarget.from_dir(target_dir, dtype=dtype, device=device)
     tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
     drafter = None
     if drafter_spec:
@@ -152,7 +161,7 @@ def _build_engine(settings: RuntimeSettings) -> Runtime:
         raise ValueError("--strategy is for proxy mode (it says how vLLM verifies a tree)")
     target_dir = Path(settings.target or DEFAULT_TARGET_DIR)
     drafter_spec = None if settings.tree.kind == "none" else settings.drafter or DEFAULT_DRAFTER
-    runtime = load_engine(target_dir, drafter_spec)
+    runtime = load_engine(target_dir, drafter_spec, settings.device, settings.dtype)
     runtime.model_name = settings.model or runtime.model_name
     return runtime
 

@@ -44,6 +44,12 @@ class RuntimeSettings(BaseModel):
         0.05, ge=0, description="first retry's backoff, seconds; doubles per retry, jittered"
     )
     max_retry_backoff: float = Field(1.0, ge=0, description="cap on one retry's backoff, seconds")
+    device: str | None = Field(
+        None, description="in-process models: auto (cuda if present, else cpu), cpu, cuda[:N]"
+    )
+    dtype: str | None = Field(
+        None, description="in-process models: auto (bfloat16 on cuda, else float32), float32, ..."
+    )
     torch_threads: int | None = Field(
         None,
         ge=1,

@@ -16,7 +16,7 @@ import torch
 from transformers import DynamicCache
 
 from proxy.drafter.base import TargetInfo
-from proxy.hf import crop_cache, load_causal_lm
+from proxy.hf import crop_cache, load_causal_lm, match_intra_op_threads
 from proxy.tree import DraftDistribution
 
 
@@ -29,9 +29,10 @@ class AutoregressiveSession:
     def _feed(self, tokens: list[int]) -> torch.Tensor:
         """Append `tokens` to the cache; return the log-probs [vocab] after the last one."""
         start = len(self._cached_tokens)
+        device = self.model.device
         out = self.model(
-            input_ids=torch.tensor([tokens], dtype=torch.long),
-            position_ids=torch.arange(start, start + len(tokens), dtype=torch.long)[None],
+            input_ids=torch.tensor([tokens], dtype=torch.long, device=device),
+            position_ids=torch.arange(start, start + len(tokens), device=device)[None],
             cache=self._cache,
             use_cache=True,
             logits_to_keep=1,
@@ -40,6 +41,7 @@ class AutoregressiveSession:
         return torch.log_softmax(out.logits[0, -1].float(), dim=-1)
 
     def propose(self, committed: Sequence[int], depth: int, top_k: int) -> DraftDistribution:
+        match_intra_op_threads()  # the loop calls propose in a worker thread
         committed = list(committed)
         keep = 0
         limit = min(len(self._cached_tokens), len(committed) - 1)  # re-feed at least the root
@@ -56,8 +58,8 @@ class AutoregressiveSession:
             num_ranks = min(top_k, step_logprobs.shape[-1])
             for depth_idx in range(depth):
                 values, indices = torch.topk(step_logprobs, num_ranks)
-                token_ids[depth_idx, :num_ranks] = indices.numpy()
-                log_probs[depth_idx, :num_ranks] = values.double().numpy()
+                token_ids[depth_idx, :num_ranks] = indices.cpu().numpy()
+                log_probs[depth_idx, :num_ranks] = values.double().cpu().numpy()
                 if depth_idx + 1 < depth:
                     step_logprobs = self._feed([int(indices[0])])
         return DraftDistribution(token_ids=token_ids, log_probs=log_probs)
@@ -81,7 +83,11 @@ class AutoregressiveDrafter:
                 "the autoregressive drafter needs a model directory: "
                 "--drafter autoregressive:PATH"
             )
-        model = load_causal_lm(Path(path))
+        # Engine mode: the target's device and dtype; proxy mode: CPU float32.
+        param = None if target.model is None else next(target.model.parameters())
+        model = load_causal_lm(Path(path), torch.float32 if param is None else param.dtype)
+        if param is not None:
+            model.to(param.device)
         vocab_size = int(model.config.vocab_size)
         if vocab_size > target.vocab_size:
             raise ValueError(

@@ -6,7 +6,7 @@ target features of every committed token before the root. Block position d gives
 the distribution of depth d, so `max_depth = block_size - 1`; the full block is run
 even for a smaller depth because that is the shape the drafter was trained on.
 
-Features (see `FEATURE_LAYER_OFFSET` in `dflash_model`): for each committed token
+Features (see `FEATURE_LAYER_OFFSET` in `proxy.hf`): for each committed token
 the target has processed, the outputs of target decoder layers `target_layer_ids`
 (0-based; Transformers `hidden_states[l + 1]`), concatenated in that order.
 
@@ -45,6 +45,7 @@ from proxy.drafter.dflash_model import (
     save_checkpoint,
     select_target_features,
 )
+from proxy.hf import match_intra_op_threads
 from proxy.tree import DraftDistribution
 
 logger = logging.getLogger(__name__)
@@ -151,6 +152,7 @@ class DFlashSession:
         if top_k < 1:
             raise ValueError(f"top_k must be >= 1, got {top_k}")
         assert len(committed) - 1 == self._num_context, (len(committed), self._num_context)
+        match_intra_op_threads()  # the loop calls propose in a worker thread
         with torch.inference_mode():
             self._flush()
             log_probs = drafter.block_log_probs(int(committed[-1]), self._cache.layers(), depth)

@@ -45,16 +45,11 @@ from transformers import Qwen3Config
 from transformers.activations import ACT2FN
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-ARCHITECTURE = "DFlashDraftModel"
+# The feature-layer convention lives in proxy.hf (the backend hands features out by it);
+# re-exported here because it is part of the DFlash checkpoint format.
+from proxy.hf import FEATURE_LAYER_OFFSET, select_target_features  # noqa: F401
 
-# Feature-layer convention, shared with the backend that hands out target features.
-# A target_layer_id `l` means "the output of decoder layer l" (0-based). In the
-# `hidden_states` tuple of a Transformers forward with output_hidden_states=True,
-# index 0 is the embedding output, so layer l's output is hidden_states[l + 1]
-# (z-lab's `extract_context_feature` uses exactly this offset). For the last layer
-# Transformers returns the final-norm output at that index; z-lab's reference does
-# the same, so we follow it.
-FEATURE_LAYER_OFFSET = 1
+ARCHITECTURE = "DFlashDraftModel"
 
 
 def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
@@ -68,17 +63,6 @@ def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tup
         int(round(first + layer_idx * span / (num_draft_layers - 1)))
         for layer_idx in range(num_draft_layers)
     )
-
-
-def select_target_features(
-    hidden_states: tuple[torch.Tensor, ...] | list[torch.Tensor], target_layer_ids: tuple[int, ...]
-) -> torch.Tensor:
-    """Concatenate a Transformers `hidden_states` tuple into DFlash features.
-
-    hidden_states: num_layers + 1 tensors [..., H] (index 0 = embeddings).
-    Returns [..., len(target_layer_ids) * H], layers in `target_layer_ids` order.
-    """
-    return torch.cat([hidden_states[lid + FEATURE_LAYER_OFFSET] for lid in target_layer_ids], -1)
 
 
 def _dflash_field(raw: dict[str, Any], name: str) -> Any:
@@ -301,9 +285,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        normed = F.rms_norm(x.float(), (x.shape[-1],), None, self.eps)  # one fused op
+        return self.weight * normed.to(x.dtype)
 
 
 class RotaryEmbedding:
@@ -345,12 +328,19 @@ class RotaryEmbedding:
         sin = angles.sin() * self.attention_scaling
         return cos.to(dtype), sin.to(dtype)
 
+    def tables(
+        self, position_ids: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin_signed) for `_apply_rope`: sin with its first half negated, so that
+        rotate_half(x) * sin == x.roll(half) * sin_signed (one op instead of four)."""
+        cos, sin = self(position_ids, dtype)
+        half = sin.shape[-1] // 2
+        return cos, torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
 
-def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B, heads, S, D]; cos/sin [B, 1, S, D]."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
+
+def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """x [B, heads, S, D]; cos/sin_signed [B, 1, S, D] from `RotaryEmbedding.tables`."""
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), sin_signed)
 
 
 class DFlashAttention(nn.Module):
@@ -369,27 +359,27 @@ class DFlashAttention(nn.Module):
         self.k_norm = RMSNorm(head_dim, config.rms_norm_eps)
 
     def project_kv(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+        self, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """x [B, S, H] -> keys (normed, rotated) and values, each [B, kv_heads, S, D]."""
         batch, length, _ = x.shape
         keys = self.k_norm(self.k_proj(x).view(batch, length, self.num_kv_heads, self.head_dim))
         values = self.v_proj(x).view(batch, length, self.num_kv_heads, self.head_dim)
-        return _apply_rope(keys.transpose(1, 2), cos, sin), values.transpose(1, 2)
+        return _apply_rope(keys.transpose(1, 2), cos, sin_signed), values.transpose(1, 2)
 
     def forward(
         self,
         x: torch.Tensor,  # [B, Q, H] block hidden states (after input_layernorm)
         cos: torch.Tensor,  # [B, 1, Q, D] at the block positions
-        sin: torch.Tensor,
+        sin_signed: torch.Tensor,
         context_keys: torch.Tensor,  # [B, kv_heads, C, D]
         context_values: torch.Tensor,  # [B, kv_heads, C, D]
         attention_mask: torch.Tensor | None,  # [B or 1, 1, Q, C + Q] bool (True = attend)
     ) -> torch.Tensor:
         batch, length, _ = x.shape
         queries = self.q_norm(self.q_proj(x).view(batch, length, self.num_heads, self.head_dim))
-        queries = _apply_rope(queries.transpose(1, 2), cos, sin)
-        block_keys, block_values = self.project_kv(x, cos, sin)
+        queries = _apply_rope(queries.transpose(1, 2), cos, sin_signed)
+        block_keys, block_values = self.project_kv(x, cos, sin_signed)
         keys = torch.cat([context_keys, block_keys], dim=2)
         values = torch.cat([context_values, block_values], dim=2)
         # No mask at inference: the block sees all context and itself, both ways.
@@ -424,10 +414,10 @@ class DFlashDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, hidden, cos, sin, context_keys, context_values, attention_mask):
+    def forward(self, hidden, cos, sin_signed, context_keys, context_values, attention_mask):
         attn_in = self.input_layernorm(hidden)
         hidden = hidden + self.self_attn(
-            attn_in, cos, sin, context_keys, context_values, attention_mask
+            attn_in, cos, sin_signed, context_keys, context_values, attention_mask
         )
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
@@ -468,8 +458,8 @@ class DFlashDraftModel(nn.Module):
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer, the context's keys and values, each [B, kv_heads, C, D]."""
         context = self.hidden_norm(self.fc(target_hidden.to(self.fc.weight.dtype)))
-        cos, sin = self.rotary(position_ids, context.dtype)
-        return [layer.self_attn.project_kv(context, cos, sin) for layer in self.layers]
+        cos, sin_signed = self.rotary.tables(position_ids, context.dtype)
+        return [layer.self_attn.project_kv(context, cos, sin_signed) for layer in self.layers]
 
     def forward_block(
         self,
@@ -480,9 +470,9 @@ class DFlashDraftModel(nn.Module):
     ) -> torch.Tensor:
         """Final-normed hidden states [B, Q, H]; the target's lm_head makes logits."""
         hidden = noise_embedding.to(self.fc.weight.dtype)
-        cos, sin = self.rotary(position_ids, hidden.dtype)
+        cos, sin_signed = self.rotary.tables(position_ids, hidden.dtype)
         for layer, (context_keys, context_values) in zip(self.layers, context_kv, strict=True):
-            hidden = layer(hidden, cos, sin, context_keys, context_values, attention_mask)
+            hidden = layer(hidden, cos, sin_signed, context_keys, context_values, attention_mask)
         return self.norm(hidden)
 
     def forward(
