@@ -287,7 +287,7 @@ def observe(case: Case, status: int, content_type: str, content: bytes) -> Obser
         seen = Observed(status, "sse", raw=text)
         shape: list[str] = []
         finished: set[int] = set()
-        for line in text.splitlines():
+        for line in text.split("\n"):  # not splitlines: the JSON may hold \x1c, \u2028...
             if not line.startswith("data: "):
                 continue
             data = line[len("data: ") :]
