@@ -66,10 +66,15 @@ class Responder:
         finally:
             await generation.aclose()
 
-    async def _token_strings(self, token_ids: list[int], context_ids: list[int]) -> list[str]:
-        """Each token's text for logprobs, as vLLM reports it (`logprob_token_strings`)."""
+    async def _token_strings(
+        self, plan: Plan, token_ids: list[int], context_ids: list[int]
+    ) -> list[str]:
+        """Each token's text for logprobs; in proxy mode as vLLM reports it
+        (`logprob_token_strings`)."""
         tokens = self.runtime.tokens
         strings = await tokens.token_strings(token_ids)
+        if not plan.mirror_vllm:
+            return strings
 
         async def decode(ids: list[int]) -> str:
             return await tokens.decode(ids, False)  # vLLM's tokenizer.decode default
@@ -90,7 +95,7 @@ class Responder:
                 if delta.finish_reason is not None:
                     finish_reason, stop_reason = delta.finish_reason, delta.stop_reason
             strings = (
-                await self._token_strings(token_ids, []) if plan.writer.want_logprobs else []
+                await self._token_strings(plan, token_ids, []) if plan.writer.want_logprobs else []
             )
         self.metrics.requests.labels(plan.endpoint, "ddtree").inc()
         usage = usage_body(len(plan.generation.prompt_ids), len(token_ids), stats)
@@ -138,13 +143,13 @@ class Responder:
                 finish = delta.finish_reason
                 if delta.token_ids or delta.text or finish is not None:
                     strings = (
-                        await self._token_strings(delta.token_ids, emitted)
+                        await self._token_strings(plan, delta.token_ids, emitted)
                         if writer.want_logprobs
                         else []
                     )
                     usage = None
                     if plan.continuous_usage or (
-                        finish is not None and plan.usage_on_finish and not plan.include_usage
+                        finish is not None and not plan.mirror_vllm and not plan.include_usage
                     ):
                         usage = usage_body(len(prompt_ids), num_tokens, stats)
                     out = Choice(

@@ -97,7 +97,7 @@ class Handlers:
                 return await self.passthrough(
                     request, endpoint, raw, body, reason="opt_out" if disabled else reason
                 )
-        parsed = request_model.parse(body)
+        parsed = request_model.parse(body, refuse_unknown=runtime.upstream is None)
         if parsed.model is not None and parsed.model != runtime.model_name:
             raise RequestError(
                 f"The model `{parsed.model}` does not exist.",

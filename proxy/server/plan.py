@@ -39,9 +39,11 @@ class Plan:
     stream: bool
     include_usage: bool
     continuous_usage: bool
-    # Engine mode's own convenience: without include_usage, the finishing chunk carries
-    # usage (and usage.ddtree). Proxy mode streams exactly vLLM's chunks: no usage there.
-    usage_on_finish: bool
+    # Proxy mode answers exactly as the vLLM behind it: no usage on the finishing chunk
+    # without continuous usage, log-prob token texts as vLLM reports them. Engine mode
+    # (no vLLM to match) keeps its own conventions: the finishing chunk carries usage
+    # (and usage.ddtree), a token's log-prob text is its own decode.
+    mirror_vllm: bool
 
 
 async def plan_request(
@@ -175,7 +177,7 @@ async def plan_request(
         stream=bool(parsed.stream),
         include_usage=include_usage,
         continuous_usage=continuous_usage,
-        usage_on_finish=runtime.upstream is None,
+        mirror_vllm=runtime.upstream is not None,
     )
 
 

@@ -7,8 +7,8 @@ A request field is one of three things:
   logit_bias, structured output, echo, prompt_logprobs, ...): the request goes to vLLM
   unchanged in proxy mode, and is refused with a 400 in engine mode;
 * neutral: it does not change the output (user, priority, ...).
-A field vLLM does not know is accepted and ignored, as vLLM does (clients and SDKs add
-their own); every field vLLM 0.32 knows is one of the three
+In proxy mode a field vLLM does not know is accepted and ignored, as vLLM does (clients
+and SDKs add their own); engine mode refuses it (400). Every field vLLM 0.32 knows is one of the three
 (tests/test_differential.py::test_every_vllm_field_is_classified). A served field of
 the wrong type is a 400 naming it; values are judged as vLLM judges them (see
 `proxy.server.plan` and docs/RELIABILITY.md, "Drop-in fidelity").
@@ -212,8 +212,13 @@ class _GenerationRequest(BaseModel):
     ddtree: DDTreeOptions | None = None
 
     @classmethod
-    def parse(cls, body: dict[str, Any]):
-        """Validate a JSON body; RequestError (400) names the offending field."""
+    def parse(cls, body: dict[str, Any], refuse_unknown: bool = False):
+        """Validate a JSON body; RequestError (400) names the offending field.
+        `refuse_unknown`: a field no endpoint knows is a 400 too (engine mode, which has
+        no vLLM to be faithful to, catches typos; proxy mode ignores it, as vLLM does)."""
+        if refuse_unknown:
+            for name in body.keys() - cls.known_fields():
+                raise RequestError(f"Unknown field {name!r}", param=name)
         if body.get("stream_options") and not body.get("stream"):
             # vLLM's CompletionRequest/ChatCompletionRequest.validate_stream_options.
             raise RequestError(
