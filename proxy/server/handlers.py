@@ -19,6 +19,7 @@ a client that goes away mid-stream cancels its generation at once.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from typing import Any, AsyncIterator
 
@@ -40,6 +41,7 @@ from proxy.server.responses import sse
 from proxy.server.settings import ServerSettings
 
 DRAIN_FACTOR = 16  # an oversized body is read (and dropped) up to this many times the limit
+DRAIN_TIMEOUT_S = 30.0  # ... and for at most this long
 PATHS: dict[Endpoint, str] = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 
 
@@ -143,9 +145,10 @@ class Handlers:
         """The body, or a 413 once it is known to pass `max_body_bytes`.
 
         The rest of an oversized body is read and dropped (up to DRAIN_FACTOR times the
-        limit) before the 413 goes out with `Connection: close`: a server that closes a
-        socket with unread data makes the kernel reset the connection, and a client
-        still sending its body would see that reset instead of the 413."""
+        limit, for at most DRAIN_TIMEOUT_S) before the 413 goes out with
+        `Connection: close`: a server that closes a socket with unread data makes the
+        kernel reset the connection, and a client still sending its body would see that
+        reset instead of the 413."""
         limit = self.settings.max_body_bytes
         too_large = RequestError(
             f"request body is larger than the limit of {limit} bytes",
@@ -154,23 +157,27 @@ class Handlers:
             headers={"Connection": "close"},
         )
         declared = request.headers.get("content-length", "")
-        oversized = declared.isdigit() and int(declared) > limit
         chunks: list[bytes] = []
         size = 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                oversized = True
-            if oversized:
-                chunks.clear()
-                if size > DRAIN_FACTOR * limit:
-                    break  # bounded work: past this the client gets the close as it is
-            else:
+        stream = request.stream()
+        if not (declared.isdigit() and int(declared) > limit):
+            async for chunk in stream:
+                size += len(chunk)
+                if size > limit:
+                    break
                 chunks.append(chunk)
-        if oversized:
-            self.metrics.rejected.labels("body_too_large").inc()
-            raise too_large
-        return b"".join(chunks)
+            else:
+                return b"".join(chunks)
+        self.metrics.rejected.labels("body_too_large").inc()
+        # Bounded work: past DRAIN_FACTOR x limit or DRAIN_TIMEOUT_S the client gets the
+        # close as it comes.
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(DRAIN_TIMEOUT_S):
+                async for chunk in stream:
+                    size += len(chunk)
+                    if size > DRAIN_FACTOR * limit:
+                        break
+        raise too_large
 
     def _deadline_error(self) -> RequestError:
         self.metrics.deadline_exceeded.inc()
