@@ -422,7 +422,15 @@ def report(results: list[Result], max_shown: int = 20) -> str:
             counts = per_label.setdefault(label, [0, 0])
             counts[0] += 1
             counts[1] += bool(result.diffs)
-    lines = [f"{len(results)} cases, {sum(bool(r.diffs) for r in results)} differ"]
+    ok = [r for r in results if r.want.status == 200 and r.want.error is None]
+    refused = [r for r in results if not (r.want.status == 200 and r.want.error is None)]
+    exact = [r for r in ok if r.case.greedy and not r.case.text_dependent]
+    lines = [
+        f"{len(results)} cases, {sum(bool(r.diffs) for r in results)} differ",
+        f"  vLLM answered {len(ok)} with output ({len(exact)} greedy, compared token for "
+        f"token; {sum(r.want.content_type == 'sse' for r in ok)} streamed) and refused "
+        f"{len(refused)} ({sum(r.want.content_type == 'sse' for r in refused)} inside a stream)",
+    ]
     lines += [f"  {label}: {n} cases, {bad} differ" for label, (n, bad) in sorted(per_label.items())]
     for result in [r for r in results if r.diffs][:max_shown]:
         body = result.case.body
