@@ -246,6 +246,28 @@ def test_token_id_prompt_text_is_the_plain_decode_of_the_tokens(vllm_server, pro
             assert got.choices[0]["text"] == plain
 
 
+def test_logprob_token_texts_are_vllms(vllm_server, proxy_url):
+    """A byte token that completes a UTF-8 character only with the tokens before it:
+    vLLM reports "" for the unfinished ones and the character on the last, across
+    stream chunks too (the test model's byte vocabulary makes these common)."""
+    num_empty = 0
+    for endpoint, body in [
+        ("chat", {"messages": [{"role": "user", "content": "Write a function that reverses a string."}],
+                  "logprobs": True}),
+        ("chat", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True}),
+        ("completions", {"prompt": "def fib(n):\n", "logprobs": 0}),
+        ("completions", {"prompt": 'print("héllo wörld ☃")', "logprobs": 0}),
+    ]:  # fmt: skip
+        for stream in (False, True):
+            want, got = assert_same(
+                vllm_server, proxy_url, endpoint,
+                body | {"max_tokens": 12, "temperature": 0, "ignore_eos": True, "stream": stream},
+            )  # fmt: skip
+            assert len(got.choices[0]["logprob_tokens"]) == 12
+            num_empty += want.choices[0]["logprob_tokens"].count("")
+    assert num_empty > 0  # the case the rule is about did occur
+
+
 @pytest.mark.parametrize("endpoint", ["completions", "chat"])
 def test_stream_chunk_sequence_matches_vllm(vllm_server, proxy_url, endpoint):
     """role chunk (chat), content, finish chunk, usage chunk only when asked, [DONE]; no
