@@ -161,6 +161,7 @@ async def stream_generate(
         feature_layer_ids=drafter.target_layer_ids if use_drafter else None,
         want_logprobs=request.logprobs,
         strategy=request.strategy,
+        stop_token_ids=request.stop_token_ids,
     )
     session = await target.start(request.prompt_ids, options)
     try:

@@ -194,3 +194,52 @@ class OutputProcessor:
             if self._find_stop(detok.text + await detok.pending(count), 0) is not None:
                 return count
         return len(detok.tokens)
+
+
+async def logprob_token_strings(
+    decode: Detokenize, strings: list[str], token_ids: list[int], context_ids: list[int]
+) -> list[str]:
+    """The text vLLM reports for each token of a logprobs entry.
+
+    `strings[i]` is token_ids[i] decoded alone; `context_ids` are the tokens emitted
+    before token_ids[0]. A token whose own text ends in U+FFFD (part of a UTF-8
+    sequence split across byte tokens) is re-decoded after up to 4 preceding emitted
+    tokens, as vLLM's LogprobsProcessor does (vllm/v1/engine/logprobs.py,
+    `_verify_tokens` / `_correct_decoded_token`): the token gets the text it completes,
+    or "" while the sequence is still unfinished. Example (byte tokens): "é" is
+    [0xC3, 0xA9] -> strings ["\ufffd", "\ufffd"] -> reported ["", "é"].
+    """
+    out: list[str] = []
+    emitted = list(context_ids)
+    for text, token_id in zip(strings, token_ids, strict=True):
+        if text.endswith(REPLACEMENT):
+            text = await _completed_text(decode, token_id, emitted[-4:])
+        out.append(text)
+        emitted.append(token_id)
+    return out
+
+
+async def _completed_text(decode: Detokenize, token_id: int, context: list[int]) -> str:
+    for num_ctx in range(1, len(context) + 1):
+        window = context[-num_ctx:]
+        full = await decode(window + [token_id])
+        if full.endswith(REPLACEMENT):
+            continue
+        # Context tokens that were themselves unfinished bytes reported "": their text
+        # belongs to this token.
+        clean_end = len(window)
+        for idx in range(len(window) - 1, -1, -1):
+            if (await decode([window[idx]])).endswith(REPLACEMENT):
+                clean_end = idx
+            else:
+                break
+        prefix = await decode(window[:clean_end]) if clean_end else ""
+        if full.startswith(prefix):
+            return full[len(prefix) :]
+        common = 0
+        for a, b in zip(prefix, full, strict=False):
+            if a != b:
+                break
+            common += 1
+        return full[common:]
+    return ""

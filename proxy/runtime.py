@@ -215,7 +215,7 @@ async def _build_proxy(
     try:
         model_dir = tokenizer_dir or _local_model_root(target)
         config = _read_config(model_dir)
-        remote = VLLMTokens.of(target)
+        remote = VLLMTokens.of(target, model_dir)
         tokens: Tokens = remote
         if tokenizer_dir is not None:
             try:

@@ -36,10 +36,17 @@ class TargetError(RuntimeError):
     of upstream failures; retries and the client-facing status are derived from it.
     """
 
-    def __init__(self, message: str, kind: str = "malformed", status: int | None = None):
+    def __init__(
+        self,
+        message: str,
+        kind: str = "malformed",
+        status: int | None = None,
+        error: dict[str, Any] | None = None,
+    ):
         super().__init__(message)
         self.kind = kind
         self.status = status
+        self.error = error  # the upstream's own error object, when it sent one
 
     @property
     def retriable(self) -> bool:
@@ -56,6 +63,10 @@ class SessionOptions:
     want_logprobs: bool = False  # report the target's log-prob of each chosen token
     # How the target verifies a tree (one of `Target.strategies`); None = its default.
     strategy: str | None = None
+    # The client's stop token ids. They do not change a verification (it asks for one
+    # token), but a remote target sends them along so that its server judges them as it
+    # would judge the client's own request (vLLM refuses out-of-vocabulary ids).
+    stop_token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

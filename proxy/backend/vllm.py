@@ -143,6 +143,7 @@ class VLLMHttp:
                 f"{where} returned HTTP {response.status_code}: {response.text[:500]}",
                 "http",
                 response.status_code,
+                _error_object(response),
             )
         try:
             return response.json()
@@ -175,6 +176,15 @@ class VLLMHttp:
 
     async def aclose(self) -> None:
         await self.client.aclose()
+
+
+def _error_object(response: httpx.Response) -> dict[str, Any] | None:
+    """vLLM's `{"error": {message, type, param, code}}` object of a failed call, if any."""
+    try:
+        error = response.json().get("error")
+    except (ValueError, AttributeError):
+        return None
+    return error if isinstance(error, dict) and isinstance(error.get("message"), str) else None
 
 
 def eos_token_ids_from_model_dir(model_dir: str | Path) -> tuple[int, ...]:
@@ -336,6 +346,7 @@ class VLLMSession:
         self.params = options.sampling
         self.want_logprobs = options.want_logprobs
         self.strategy: Strategy = options.strategy or DEFAULT_STRATEGY
+        self.stop_token_ids = [int(t) for t in options.stop_token_ids]
         self.counters = TargetCounters()
         self.prompt_features = None
 
@@ -435,6 +446,11 @@ class VLLMSession:
             "ignore_eos": True,
             "skip_special_tokens": False,
         }
+        if self.stop_token_ids:
+            # Harmless for one token (a stop token still comes back in token_ids), and
+            # vLLM then refuses out-of-vocabulary ids as it would the client's request,
+            # before the proxy has answered anything.
+            body["stop_token_ids"] = self.stop_token_ids
         if seed is not None:
             body["seed"] = seed
         if self.want_logprobs:

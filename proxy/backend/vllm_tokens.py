@@ -7,6 +7,8 @@ detokenization identical to what the server itself would do for the same request
 from __future__ import annotations
 
 import asyncio
+import json
+from pathlib import Path
 from typing import Any, Sequence
 
 from proxy.backend.base import TargetError
@@ -17,18 +19,23 @@ class VLLMTokens:
     """The `proxy.tokens.Tokens` of one served model, through its server.
 
     /detokenize keeps special tokens in the text (vLLM's completions skip them by
-    default); `skip_special_tokens` cannot be honoured here -- pass --tokenizer for
-    exact text when the model emits special tokens."""
+    default). With `special_ids` (read from the model's local tokenizer.json, see
+    `special_token_ids`) `skip_special_tokens` drops those ids before decoding, which is
+    what the tokenizer itself does; without them it cannot be honoured -- pass
+    --tokenizer for exact text when the model emits special tokens."""
 
-    def __init__(self, http: VLLMHttp, model: str) -> None:
+    def __init__(
+        self, http: VLLMHttp, model: str, special_ids: frozenset[int] = frozenset()
+    ) -> None:
         self.http = http
         self.model = model
+        self.special_ids = special_ids
         self._strings: dict[int, str] = {}
 
     @classmethod
-    def of(cls, target: VLLMTarget) -> VLLMTokens:
+    def of(cls, target: VLLMTarget, model_dir: Path | None = None) -> VLLMTokens:
         """Share the target's pooled HTTP client and model name."""
-        return cls(target.http, target.name)
+        return cls(target.http, target.name, special_token_ids(model_dir))
 
     async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of a plain completion prompt, as /v1/completions would see it."""
@@ -56,8 +63,13 @@ class VLLMTokens:
         return self._tokens(await self.http.request_json("POST", "/tokenize", body))
 
     async def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        """Text of `token_ids` (special tokens included, as vLLM's /detokenize gives it)."""
-        body = {"model": self.model, "tokens": [int(t) for t in token_ids]}
+        """Text of `token_ids`; special tokens stay unless skipped and known."""
+        ids = [int(t) for t in token_ids]
+        if skip_special_tokens and self.special_ids:
+            ids = [t for t in ids if t not in self.special_ids]
+            if not ids:
+                return ""
+        body = {"model": self.model, "tokens": ids}
         answer = await self.http.request_json("POST", "/detokenize", body)
         try:
             text = answer["prompt"]
@@ -69,7 +81,8 @@ class VLLMTokens:
 
     async def token_strings(self, token_ids: list[int]) -> list[str]:
         missing = sorted(set(token_ids) - self._strings.keys())
-        texts = await asyncio.gather(*(self.decode([token_id]) for token_id in missing))
+        # vLLM decodes logprob tokens with their special tokens (convert_ids_list_to_tokens).
+        texts = await asyncio.gather(*(self.decode([token_id], False) for token_id in missing))
         self._strings.update(zip(missing, texts, strict=True))
         return [self._strings[token_id] for token_id in token_ids]
 
@@ -82,3 +95,13 @@ class VLLMTokens:
         except (KeyError, TypeError) as exc:
             raise TargetError(f"unexpected /tokenize answer: {answer!r:.300}") from exc
         return list(tokens)
+
+
+def special_token_ids(model_dir: Path | None) -> frozenset[int]:
+    """Ids of the added tokens marked special in `model_dir`/tokenizer.json (none if
+    there is no such file): the ids a tokenizer drops for skip_special_tokens."""
+    path = None if model_dir is None else Path(model_dir) / "tokenizer.json"
+    if path is None or not path.is_file():
+        return frozenset()
+    added = json.loads(path.read_text()).get("added_tokens", [])
+    return frozenset(int(token["id"]) for token in added if token.get("special"))

@@ -3,10 +3,21 @@ and the client's view of a failed upstream call."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from proxy.backend.base import TargetError
 from proxy.server.metrics import ServerMetrics
+
+# Checks vLLM runs inside its engine client (InputProcessor: `SamplingParams.verify`,
+# `Renderer.validate_token_ids`), after a streaming response has started: vLLM answers
+# a streaming request that fails them with 200, one error event and [DONE], and a
+# non-streaming one with the error status. Identified by the parameter vLLM names, or
+# (token ids of the prompt, which name none) by the message.
+ENGINE_CHECKED_PARAMS = frozenset(
+    {"stop_token_ids", "logprobs", "prompt_logprobs", "logit_bias", "allowed_token_ids"}
+)
+_OUT_OF_VOCABULARY = re.compile(r"Token id -?\d+ is out of vocabulary")
 
 
 class RequestError(Exception):
@@ -27,6 +38,11 @@ class RequestError(Exception):
         self.err_type = err_type
         self.headers = headers or {}
 
+    @property
+    def in_stream(self) -> bool:
+        """vLLM reports this refusal inside a started stream (ENGINE_CHECKED_PARAMS)."""
+        return self.param in ENGINE_CHECKED_PARAMS or bool(_OUT_OF_VOCABULARY.search(self.message))
+
     def body(self) -> dict[str, Any]:
         return error_body(self.message, self.err_type, self.status, self.param)
 
@@ -43,6 +59,14 @@ def upstream_error(exc: TargetError, metrics: ServerMetrics) -> RequestError:
     if exc.kind == "http" and status is not None and 400 <= status < 500:
         if status not in (401, 403, 429):
             metrics.upstream_errors.labels("refused").inc()
+            if exc.error is not None:
+                # vLLM judged the client's own parameters: its verdict, as it gave it.
+                return RequestError(
+                    exc.error["message"],
+                    param=exc.error.get("param"),
+                    status=status,
+                    err_type=str(exc.error.get("type") or "BadRequestError"),
+                )
             return RequestError(f"upstream refused the request: {exc}", status=status)
     metrics.upstream_errors.labels(exc.kind).inc()
     return RequestError(

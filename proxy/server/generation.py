@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse
 
 from proxy.backend.base import TargetError
 from proxy.decoding import GenerationStats, stream_generate
-from proxy.output import Delta
+from proxy.output import Delta, logprob_token_strings
 from proxy.runtime import Runtime
 from proxy.server.admission import ClosingStream
 from proxy.server.errors import RequestError, error_body, upstream_error
@@ -66,6 +66,21 @@ class Responder:
         finally:
             await generation.aclose()
 
+    async def _token_strings(
+        self, plan: Plan, token_ids: list[int], context_ids: list[int]
+    ) -> list[str]:
+        """Each token's text for logprobs; in proxy mode as vLLM reports it
+        (`logprob_token_strings`)."""
+        tokens = self.runtime.tokens
+        strings = await tokens.token_strings(token_ids)
+        if not plan.mirror_vllm:
+            return strings
+
+        async def decode(ids: list[int]) -> str:
+            return await tokens.decode(ids, False)  # vLLM's tokenizer.decode default
+
+        return await logprob_token_strings(decode, strings, token_ids, context_ids)
+
     async def complete(self, plan: Plan, deadline: float) -> Response:
         stats = GenerationStats()
         token_ids: list[int] = []
@@ -80,9 +95,7 @@ class Responder:
                 if delta.finish_reason is not None:
                     finish_reason, stop_reason = delta.finish_reason, delta.stop_reason
             strings = (
-                await self.runtime.tokens.token_strings(token_ids)
-                if plan.writer.want_logprobs
-                else []
+                await self._token_strings(plan, token_ids, []) if plan.writer.want_logprobs else []
             )
         self.metrics.requests.labels(plan.endpoint, "ddtree").inc()
         usage = usage_body(len(plan.generation.prompt_ids), len(token_ids), stats)
@@ -124,17 +137,20 @@ class Responder:
             if opening is not None:
                 yield sse(opening)
             delta: Delta | None = first
+            emitted: list[int] = []  # tokens sent so far (context for logprob texts)
             while delta is not None:
                 num_tokens += len(delta.token_ids)
                 finish = delta.finish_reason
                 if delta.token_ids or delta.text or finish is not None:
                     strings = (
-                        await self.runtime.tokens.token_strings(delta.token_ids)
+                        await self._token_strings(plan, delta.token_ids, emitted)
                         if writer.want_logprobs
                         else []
                     )
                     usage = None
-                    if plan.continuous_usage or (finish is not None and not plan.include_usage):
+                    if plan.continuous_usage or (
+                        finish is not None and not plan.mirror_vllm and not plan.include_usage
+                    ):
                         usage = usage_body(len(prompt_ids), num_tokens, stats)
                     out = Choice(
                         delta.text,
@@ -147,6 +163,7 @@ class Responder:
                     first_ids = None if sent_prompt_ids else prompt_ids
                     yield sse(writer.chunk(out, prompt_ids=first_ids, usage=usage))
                     sent_prompt_ids = True
+                    emitted.extend(delta.token_ids)
                 async with asyncio.timeout_at(deadline):
                     delta = await anext(rounds, None)
             if plan.include_usage:

@@ -9,7 +9,8 @@ the one DDTree verifies against. Without an upstream (engine mode) such requests
 refused with a 400 naming the field. Errors follow OpenAI's shape; an upstream
 failure is a 502 (504 on timeout).
 
-Hardening (docs/RELIABILITY.md): bodies over `max_body_bytes` get a 413; at most
+Hardening (docs/RELIABILITY.md): bodies over `max_body_bytes` get a 413 (after the
+body has been drained, so the client receives it); at most
 `max_active` generations run and `max_queue` wait, beyond which a 429 with Retry-After;
 each generation has a deadline (`request_timeout`: 504, or mid-stream an error event);
 a client that goes away mid-stream cancels its generation at once.
@@ -18,12 +19,13 @@ a client that goes away mid-stream cancels its generation at once.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
-from typing import Any
+from typing import Any, AsyncIterator
 
 import httpx
 from fastapi import Request, Response
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from proxy.backend.base import TargetError
@@ -35,8 +37,11 @@ from proxy.server.metrics import ServerMetrics
 from proxy.server.passthrough import relay
 from proxy.server.plan import opted_out, plan_request
 from proxy.server.request_models import REQUEST_MODELS, Endpoint
+from proxy.server.responses import sse
 from proxy.server.settings import ServerSettings
 
+DRAIN_FACTOR = 16  # an oversized body is read (and dropped) up to this many times the limit
+DRAIN_TIMEOUT_S = 30.0  # ... and for at most this long
 PATHS: dict[Endpoint, str] = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 
 
@@ -94,7 +99,7 @@ class Handlers:
                 return await self.passthrough(
                     request, endpoint, raw, body, reason="opt_out" if disabled else reason
                 )
-        parsed = request_model.parse(body)
+        parsed = request_model.parse(body, refuse_unknown=runtime.upstream is None)
         if parsed.model is not None and parsed.model != runtime.model_name:
             raise RequestError(
                 f"The model `{parsed.model}` does not exist.",
@@ -116,40 +121,63 @@ class Handlers:
                     runtime, self.settings, request, endpoint, parsed, disabled=disabled
                 )
             if plan.stream:
+                # The first round (and with it vLLM's verdict on the client's parameters)
+                # completes before the response starts.
                 response = await responder.stream(plan, deadline)
                 response.on_close = release  # the stream holds its slot until it ends
                 release = None
                 return response
             return await responder.complete(plan, deadline)
         except TargetError as exc:
-            raise upstream_error(exc, self.metrics) from None
+            refusal = upstream_error(exc, self.metrics)
+        except RequestError as exc:
+            refusal = exc
         except TimeoutError:
             raise self._deadline_error() from None
         finally:
             if release is not None:
                 release()
+        if parsed.stream and refusal.in_stream:
+            return _refused_stream(refusal)
+        raise refusal
 
     async def _read_body(self, request: Request) -> bytes:
-        """The body, or a 413 as soon as it is known to pass `max_body_bytes`."""
+        """The body, or a 413 once it is known to pass `max_body_bytes`.
+
+        The rest of an oversized body is read and dropped (up to DRAIN_FACTOR times the
+        limit, for at most DRAIN_TIMEOUT_S) before the 413 goes out with
+        `Connection: close`: a server that closes a socket with unread data makes the
+        kernel reset the connection, and a client still sending its body would see that
+        reset instead of the 413."""
         limit = self.settings.max_body_bytes
         too_large = RequestError(
             f"request body is larger than the limit of {limit} bytes",
             status=413,
             err_type="request_too_large",
+            headers={"Connection": "close"},
         )
         declared = request.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > limit:
-            self.metrics.rejected.labels("body_too_large").inc()
-            raise too_large
         chunks: list[bytes] = []
         size = 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                self.metrics.rejected.labels("body_too_large").inc()
-                raise too_large
-            chunks.append(chunk)
-        return b"".join(chunks)
+        stream = request.stream()
+        if not (declared.isdigit() and int(declared) > limit):
+            async for chunk in stream:
+                size += len(chunk)
+                if size > limit:
+                    break
+                chunks.append(chunk)
+            else:
+                return b"".join(chunks)
+        self.metrics.rejected.labels("body_too_large").inc()
+        # Bounded work: past DRAIN_FACTOR x limit or DRAIN_TIMEOUT_S the client gets the
+        # close as it comes.
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(DRAIN_TIMEOUT_S):
+                async for chunk in stream:
+                    size += len(chunk)
+                    if size > DRAIN_FACTOR * limit:
+                        break
+        raise too_large
 
     def _deadline_error(self) -> RequestError:
         self.metrics.deadline_exceeded.inc()
@@ -207,3 +235,15 @@ class Handlers:
 
     def metrics_text(self) -> Response:
         return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+def _refused_stream(refusal: RequestError) -> StreamingResponse:
+    """A refusal the way vLLM sends it for a streaming request that fails a check of its
+    engine (`RequestError.in_stream`): status 200, one error event, [DONE]. The proxy
+    knows the verdict before its first byte; it only renders it as vLLM does."""
+
+    async def events() -> AsyncIterator[bytes]:
+        yield sse(refusal.body())
+        yield sse("[DONE]")
+
+    return StreamingResponse(events(), media_type="text/event-stream")

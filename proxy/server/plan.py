@@ -39,6 +39,11 @@ class Plan:
     stream: bool
     include_usage: bool
     continuous_usage: bool
+    # Proxy mode answers exactly as the vLLM behind it: no usage on the finishing chunk
+    # without continuous usage, log-prob token texts as vLLM reports them. Engine mode
+    # (no vLLM to match) keeps its own conventions: the finishing chunk carries usage
+    # (and usage.ddtree), a token's log-prob text is its own decode.
+    mirror_vllm: bool
 
 
 async def plan_request(
@@ -54,15 +59,18 @@ async def plan_request(
     `disabled`: the request opted out of speculation (engine mode: the target alone)."""
     if isinstance(parsed, CompletionRequest):
         prompt = parsed.single_prompt
-        if isinstance(prompt, str) and not prompt.strip():
-            # vLLM would continue whitespace; a request that is nothing but whitespace
-            # is a client bug we report rather than spend compute on.
-            raise RequestError("prompt: the prompt is only whitespace", param="prompt")
+        if prompt == "":
+            # vLLM's validate_prompt_and_prompt_embeds; whitespace is a prompt like any
+            # other (code models continue blank lines all the time).
+            raise RequestError(
+                "Either prompt or prompt_embeds must be provided and non-empty.", param="prompt"
+            )
         if isinstance(prompt, str):
             prompt_ids = await runtime.tokens.encode(prompt, parsed.add_special_tokens)
         else:
             prompt_ids = list(prompt)
-        max_tokens = parsed.max_tokens
+        max_tokens = 16 if parsed.max_tokens is None else parsed.max_tokens
+        max_tokens_field = "max_tokens"
         prompt_field = "prompt"
     else:
         assert isinstance(parsed, ChatCompletionRequest)
@@ -75,25 +83,46 @@ async def plan_request(
             )
         except ValueError as exc:
             raise RequestError(f"messages: {exc}", param="messages") from None
-        max_tokens = parsed.max_completion_tokens or parsed.max_tokens
+        # vLLM: max_completion_tokens when given (even 0), else the deprecated max_tokens.
+        if parsed.max_completion_tokens is not None:
+            max_tokens, max_tokens_field = parsed.max_completion_tokens, "max_completion_tokens"
+        else:
+            max_tokens, max_tokens_field = parsed.max_tokens, "max_tokens"
         prompt_field = "messages"
     vocab_size = runtime.vocab_size
-    if vocab_size is not None and any(not 0 <= t < vocab_size for t in prompt_ids):
-        raise RequestError(
-            f"{prompt_field}: token ids must lie in [0, {vocab_size})", param=prompt_field
-        )
+    if vocab_size is not None and prompt_ids:
+        # vLLM's Renderer.validate_token_ids (it names the lowest id if negative, else the
+        # highest); a streaming client gets it inside the stream, as from vLLM.
+        low, high = min(prompt_ids), max(prompt_ids)
+        if low < 0 or high >= vocab_size:
+            raise RequestError(
+                f"{prompt_field}: Token id {low if low < 0 else high} is out of vocabulary "
+                f"(token ids lie in [0, {vocab_size}))",
+                param=prompt_field,
+            )
+    stop_token_ids = tuple(parsed.stop_token_ids or ())
+    if runtime.upstream is None and vocab_size is not None:
+        # vLLM's SamplingParams._validate_stop_token_ids. In proxy mode vLLM itself rules:
+        # the ids ride along with the first verification call (VLLMSession._complete).
+        invalid = [t for t in stop_token_ids if not 0 <= t < vocab_size]
+        if invalid:
+            raise RequestError(
+                f"token_id(s) {invalid} in stop_token_ids contain out-of-vocab token ids. "
+                f"Vocabulary size: {vocab_size}",
+                param="stop_token_ids",
+            )
     limit = runtime.max_model_len
-    if max_tokens is not None and max_tokens > limit:
-        # No prompt leaves room for it: a client bug, not a request to clamp.
-        field = (
-            "max_completion_tokens"
-            if isinstance(parsed, ChatCompletionRequest) and parsed.max_completion_tokens
-            else "max_tokens"
-        )
+    if max_tokens is not None and max_tokens < 1:
+        # vLLM's SamplingParams._verify_args, on the value in force.
         raise RequestError(
-            f"{field}: {max_tokens} is more than this model's maximum context length of "
-            f"{limit} tokens",
-            param=field,
+            f"{max_tokens_field}: must be at least 1, got {max_tokens}.", param=max_tokens_field
+        )
+    if max_tokens is not None and max_tokens > limit:
+        # No prompt leaves room for it: vLLM's renderer refuses it too (TokenizeParams).
+        raise RequestError(
+            f"{max_tokens_field}: {max_tokens} is more than this model's maximum context "
+            f"length of {limit} tokens",
+            param=max_tokens_field,
         )
     if len(prompt_ids) >= limit:
         raise RequestError(
@@ -119,7 +148,7 @@ async def plan_request(
             sampling=sampling,
             tree=tree,
             stop=parsed.stop_strings,
-            stop_token_ids=tuple(parsed.stop_token_ids or ()),
+            stop_token_ids=stop_token_ids,
             ignore_eos=parsed.ignore_eos,
             logprobs=want_logprobs,
             strategy=strategy,
@@ -148,6 +177,7 @@ async def plan_request(
         stream=bool(parsed.stream),
         include_usage=include_usage,
         continuous_usage=continuous_usage,
+        mirror_vllm=runtime.upstream is not None,
     )
 
 

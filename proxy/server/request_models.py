@@ -7,12 +7,16 @@ A request field is one of three things:
   logit_bias, structured output, echo, prompt_logprobs, ...): the request goes to vLLM
   unchanged in proxy mode, and is refused with a 400 in engine mode;
 * neutral: it does not change the output (user, priority, ...).
-Anything else is a 400 naming the field, as is a served field out of range.
+In proxy mode a field vLLM does not know is accepted and ignored, as vLLM does (clients
+and SDKs add their own); engine mode refuses it (400). Every field vLLM 0.32 knows is one of the three
+(tests/test_differential.py::test_every_vllm_field_is_classified). A served field of
+the wrong type is a 400 naming it; values are judged as vLLM judges them (see
+`proxy.server.plan` and docs/RELIABILITY.md, "Drop-in fidelity").
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, ClassVar, Literal
+from typing import Annotated, Any, Callable, ClassVar, Literal
 
 import pydantic
 from pydantic import BaseModel, ConfigDict, Field
@@ -22,6 +26,7 @@ from proxy.decoding import TreeKind
 from proxy.server.errors import RequestError
 
 Endpoint = Literal["completions", "chat"]
+TokenId = Annotated[int, Field(ge=0)]
 
 
 class DDTreeOptions(BaseModel):
@@ -183,14 +188,16 @@ def _is_union_tag(part: str | int) -> bool:
 
 
 class _GenerationRequest(BaseModel):
-    """Fields both endpoints serve with DDTree. Pass-through and neutral fields land in
-    `model_extra` (only after `parse` has refused unknown ones)."""
+    """Fields both endpoints serve with DDTree. Pass-through, neutral and unknown fields
+    land in `model_extra`."""
 
     model_config = ConfigDict(extra="allow")
     passthrough_rules: ClassVar[dict[str, Callable[[Any], bool]]] = _PASSTHROUGH_COMMON
 
     model: str | None = None
-    max_tokens: int | None = Field(None, ge=1)
+    # Its bound (>= 1) is checked on the value in force (`plan`), as vLLM does: a chat
+    # request's max_tokens is not looked at when max_completion_tokens is given.
+    max_tokens: int | None = None
     temperature: float | None = Field(None, ge=0)
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1)
@@ -205,18 +212,30 @@ class _GenerationRequest(BaseModel):
     ddtree: DDTreeOptions | None = None
 
     @classmethod
-    def parse(cls, body: dict[str, Any]):
-        """Validate a JSON body; RequestError (400) names the offending field."""
-        known = cls.model_fields.keys() | cls.passthrough_rules.keys() | _NEUTRAL
-        for name in body:
-            if name not in known:
+    def parse(cls, body: dict[str, Any], refuse_unknown: bool = False):
+        """Validate a JSON body; RequestError (400) names the offending field.
+        `refuse_unknown`: a field no endpoint knows is a 400 too (engine mode, which has
+        no vLLM to be faithful to, catches typos; proxy mode ignores it, as vLLM does)."""
+        if refuse_unknown:
+            for name in body.keys() - cls.known_fields():
                 raise RequestError(f"Unknown field {name!r}", param=name)
+        if body.get("stream_options") and not body.get("stream"):
+            # vLLM's CompletionRequest/ChatCompletionRequest.validate_stream_options.
+            raise RequestError(
+                "Stream options can only be defined when `stream=True`.",
+                param="stream_options",
+            )
         try:
             return cls.model_validate(body)
         except pydantic.ValidationError as exc:
             err = exc.errors()[0]
             param = ".".join(str(part) for part in err["loc"] if not _is_union_tag(part))
             raise RequestError(f"{param}: {err['msg']}", param=param or None) from None
+
+    @classmethod
+    def known_fields(cls) -> frozenset[str]:
+        """Every field this endpoint serves, passes through or knows to be neutral."""
+        return frozenset(cls.model_fields.keys() | cls.passthrough_rules.keys() | _NEUTRAL)
 
     @classmethod
     def passthrough_reason(cls, body: dict[str, Any]) -> str | None:
@@ -238,16 +257,20 @@ class _GenerationRequest(BaseModel):
 
     @property
     def stream_usage(self) -> tuple[bool, bool]:
-        """(include_usage, continuous_usage_stats) of stream_options."""
+        """(include_usage, continuous usage): continuous_usage_stats counts only with
+        include_usage (vLLM's `should_include_usage`)."""
         options = self.stream_options or StreamOptions()
-        return bool(options.include_usage), bool(options.continuous_usage_stats)
+        include = bool(options.include_usage)
+        return include, include and bool(options.continuous_usage_stats)
 
 
 class CompletionRequest(_GenerationRequest):
     passthrough_rules: ClassVar[dict[str, Callable[[Any], bool]]] = _PASSTHROUGH_COMPLETION
 
-    prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
+    # Token ids are >= 0 by type, as in vLLM's CompletionRequest (a 400 before anything
+    # runs); ids past the vocabulary are the engine's to refuse (`proxy.server.errors`).
+    prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
+    max_tokens: int | None = 16  # null means the default too (vLLM's normalize_null_max_tokens)
     logprobs: int | None = Field(None, ge=0, le=20)
     add_special_tokens: bool = True
 
@@ -270,7 +293,7 @@ class ChatCompletionRequest(_GenerationRequest):
     passthrough_rules: ClassVar[dict[str, Callable[[Any], bool]]] = _PASSTHROUGH_CHAT
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool = True
