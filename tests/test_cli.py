@@ -12,7 +12,7 @@ import torch
 from transformers import AutoConfig, AutoTokenizer
 
 from proxy.drafter.dflash_model import DFlashConfig, DFlashDraftModel, save_checkpoint
-from proxy.modelgen import MASK_TOKEN
+from training.modelgen import MASK_TOKEN
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:

@@ -32,7 +32,7 @@ from proxy.drafter.dflash_model import (
     save_checkpoint,
     select_target_features,
 )
-from proxy.modelgen import MASK_TOKEN, qwen3_config, random_qwen3
+from training.modelgen import MASK_TOKEN, qwen3_config, random_qwen3
 
 NUM_TARGET_LAYERS = 4
 HIDDEN = 64

@@ -113,3 +113,58 @@ def test_no_draft_equals_generate(target_dirs):
         result = run(generate(engine.target, None, request, engine.detokenizer()))
         assert result.token_ids == _reference(target_dir, tuple(prompt))
         assert all(length == 1 for length in result.stats.acceptance_lengths)
+
+
+class _RecordingDrafter:
+    """Forwards to `drafter`; keeps (depth, top_k, proposal) of every propose call."""
+
+    def __init__(self, drafter):
+        self._drafter = drafter
+        self.proposals: list = []
+
+    def __getattr__(self, name: str):
+        return getattr(self._drafter, name)
+
+    def start(self, prompt_ids, prompt_features):
+        session = self._drafter.start(prompt_ids, prompt_features)
+        propose = session.propose
+
+        def recorded(committed, depth: int, top_k: int):
+            dist = propose(committed, depth, top_k)
+            self.proposals.append((depth, top_k, dist))
+            return dist
+
+        session.propose = recorded
+        return session
+
+
+@pytest.mark.parametrize("drafter_kind", ["dflash", "ngram", "autoregressive"])
+def test_budget_beyond_the_vocabulary(drafter_kind, target_dirs, small_drafter_dir, dflash_dirs):
+    """Asked for more ranks than the vocabulary has (top_k = budget > vocab), a drafter
+    returns [depth, top_k] with every token once and -inf past them (base.py's contract),
+    and the output is still plain greedy."""
+    target_dir = str(target_dirs["t2x64"])
+    engine = _engine(target_dir)
+    vocab_size = int(engine.target.model.config.vocab_size)
+    drafter = _RecordingDrafter(
+        _drafter(drafter_kind, engine, target_dir, small_drafter_dir, dflash_dirs["t2x64"])
+    )
+    tree = TreeSettings(kind="ddtree", budget=vocab_size + 40, depth=3)
+    for prompt in PROMPTS[:4] + PROMPTS[-3:-2]:  # the last: "aaa...", for ngram matches
+        request = GenerationRequest(prompt_ids=prompt, max_tokens=MAX_NEW_TOKENS, tree=tree)
+        result = run(generate(engine.target, drafter, request, engine.detokenizer()))
+        assert result.token_ids == _reference(target_dir, tuple(prompt)), prompt
+    assert drafter.proposals
+    for depth, top_k, dist in drafter.proposals:
+        assert top_k == vocab_size + 40
+        assert dist.token_ids.shape == dist.log_probs.shape == (depth, top_k)
+        assert np.isneginf(dist.log_probs[:, vocab_size:]).all()
+        assert ((0 <= dist.token_ids) & (dist.token_ids < vocab_size)).all()
+        assert (dist.log_probs[:, :-1] >= dist.log_probs[:, 1:]).all()  # best first
+        for token_ids, log_probs in zip(dist.token_ids, dist.log_probs, strict=True):
+            filled = token_ids[np.isfinite(log_probs)]
+            assert len(set(filled.tolist())) == len(filled)  # no token twice
+            if drafter_kind != "ngram":  # a model ranks its whole vocabulary
+                assert sorted(filled.tolist()) == list(range(vocab_size))
+    if drafter_kind == "ngram":
+        assert any(np.isfinite(dist.log_probs).any() for _, _, dist in drafter.proposals)

@@ -3,12 +3,15 @@
 With a client seed, the draw for the token at absolute position p is seeded by
 (seed, p), so the output must not depend on the drafter, the budget or the tree.
 Without depending on that, the first two generated tokens over thousands of seeds
-must follow the target's own (filtered) distribution.
+must follow the target's own filtered distribution, computed here by `oracle_probs`
+from the definitions (not by the implementation's filter, which is checked against
+the oracle and against hand-computed answers).
 """
 
 from __future__ import annotations
 
 import functools
+import math
 
 import numpy as np
 import torch
@@ -20,6 +23,82 @@ from proxy.decoding import GenerationRequest, TreeSettings, generate
 from proxy.drafter import load_drafter
 from proxy.runtime import Runtime, load_engine, target_info
 from proxy.sampling import SamplingParams
+
+
+def oracle_probs(
+    logits: list[float], temperature: float, top_k: int = 0, top_p: float = 1.0
+) -> np.ndarray:  # [vocab] float64
+    """vLLM's filtered distribution, from the definitions: softmax of logits / temperature;
+    top-k keeps the k largest logits (every token tied with the k-th largest too; k = 0
+    or k >= vocab keeps all); top-p then keeps the smallest prefix of the renormalised
+    distribution, sorted by probability, whose mass reaches top_p (at least one token)."""
+    scaled = [logit / temperature for logit in logits]
+    if 0 < top_k < len(scaled):
+        kth_largest = sorted(scaled, reverse=True)[top_k - 1]
+        scaled = [value if value >= kth_largest else -math.inf for value in scaled]
+    peak = max(scaled)
+    weights = [math.exp(value - peak) for value in scaled]
+    probs = [weight / sum(weights) for weight in weights]
+    kept, mass = [], 0.0
+    for token in sorted(range(len(probs)), key=lambda token: -probs[token]):
+        kept.append(token)
+        mass += probs[token]
+        if mass >= top_p:
+            break
+    kept_mass = sum(probs[token] for token in kept)
+    out = np.zeros(len(probs))
+    for token in kept:
+        out[token] = probs[token] / kept_mass
+    return out
+
+
+def _logits_for(weights: list[float]) -> list[float]:
+    """Logits whose softmax is proportional to `weights` (0 -> -inf)."""
+    return [math.log(weight) if weight else -math.inf for weight in weights]
+
+
+# (logits, temperature, top_k, top_p, the filtered distribution worked out by hand)
+HAND_CASES = [
+    (_logits_for([1, 2, 5]), 1.0, 0, 1.0, [1 / 8, 2 / 8, 5 / 8]),  # no filter
+    (_logits_for([1, 2, 5]), 1.0, 10, 1.0, [1 / 8, 2 / 8, 5 / 8]),  # top_k > vocab
+    (_logits_for([1, 2, 5]), 1.0, 3, 1.0, [1 / 8, 2 / 8, 5 / 8]),  # top_k == vocab
+    ([1.0, 3.0, 2.0], 0.7, 1, 1.0, [0, 1, 0]),  # top_k = 1: the argmax
+    (_logits_for([4, 2, 2, 1, 1]), 1.0, 2, 1.0, [1 / 2, 1 / 4, 1 / 4, 0, 0]),  # tie at k
+    (_logits_for([4, 1, 1]), 1.0, 2, 1.0, [4 / 6, 1 / 6, 1 / 6]),  # tie at k, all kept
+    (_logits_for([1, 4]), 2.0, 0, 1.0, [1 / 3, 2 / 3]),  # temperature 2: weights 1, 2
+    ([0.0, 2.0], 0.5, 0, 1.0, [1 / (1 + math.e**4), math.e**4 / (1 + math.e**4)]),
+    (_logits_for([1, 2, 3, 4]), 1.0, 0, 0.5, [0, 0, 3 / 7, 4 / 7]),  # 0.4 < 0.5 <= 0.7
+    (_logits_for([1, 2, 3, 4]), 1.0, 0, 0.35, [0, 0, 0, 1]),  # 0.4 reaches 0.35
+    (_logits_for([1, 2, 3, 4]), 1.0, 0, 0.01, [0, 0, 0, 1]),  # at least one token
+    (_logits_for([1, 2, 3, 4]), 1.0, 0, 0.95, [1 / 10, 2 / 10, 3 / 10, 4 / 10]),
+    (_logits_for([8, 4, 2, 1, 1]), 1.0, 3, 0.8, [2 / 3, 1 / 3, 0, 0, 0]),  # k, then p
+    (_logits_for([3, 0, 1]), 1.0, 0, 0.9, [3 / 4, 0, 1 / 4]),  # -inf logit
+]
+
+
+def test_filter_matches_hand_computed_distributions():
+    for logits, temperature, top_k, top_p, want in HAND_CASES:
+        case = (logits, temperature, top_k, top_p)
+        np.testing.assert_allclose(oracle_probs(*case), want, atol=1e-12, err_msg=str(case))
+        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+        got = filtered_probs(torch.tensor([logits]), params)[0].double().numpy()
+        np.testing.assert_allclose(got, want, atol=1e-6, err_msg=str(case))
+
+
+def test_filter_matches_the_oracle_on_random_logits():
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        vocab = int(rng.integers(1, 40))
+        logits = (rng.normal(size=vocab) * rng.uniform(0.1, 5)).astype(np.float32)
+        temperature = float(rng.uniform(0.2, 2.0))
+        top_k = int(rng.integers(0, vocab + 3))
+        top_p = float(rng.choice([1.0, rng.uniform(0.05, 1.0)]))
+        if top_p == 1.0:  # a tie (top-p may keep either of two tied tokens: no tie there)
+            logits[rng.integers(vocab)] = logits[rng.integers(vocab)]
+        want = oracle_probs(logits.astype(np.float64).tolist(), temperature, top_k, top_p)
+        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+        got = filtered_probs(torch.from_numpy(logits)[None], params)[0].double().numpy()
+        np.testing.assert_allclose(got, want, atol=1e-5, err_msg=str((logits, params)))
 
 
 @functools.lru_cache(maxsize=None)
@@ -84,25 +163,30 @@ def test_seeded_output_is_identical_across_budgets_and_drafters(target_dirs, sma
     assert len(seeds_out) > 1
 
 
+# Every filter on: top-k cuts the tail, then top-p cuts the renormalised distribution.
+TEMPERATURE, TOP_K, TOP_P = 0.8, 8, 0.9
+
+
 def test_first_two_tokens_follow_the_target_distribution(target_dirs):
     target_dir = str(target_dirs["t2x64"])
     engine = _engine(target_dir)
     drafter = _drafters(engine, target_dir, target_dir)["agreeing"]
-    params_of = functools.partial(SamplingParams, temperature=1.0, top_k=5)
+    filters = dict(temperature=TEMPERATURE, top_k=TOP_K, top_p=TOP_P)
+    params_of = functools.partial(SamplingParams, **filters)
     prompt = [17, 99, 23, 4, 200]
     model = engine.target.model
 
     # Exact joint distribution of (t1, t2) under the filtered target distribution.
-    def probs_after(tokens: list[int]) -> torch.Tensor:
+    def probs_after(tokens: list[int]) -> np.ndarray:
         with torch.inference_mode():
-            logits = model(torch.tensor([tokens])).logits[0, -1:]
-        return filtered_probs(logits, params_of())[0].double()
+            logits = model(torch.tensor([tokens])).logits[0, -1]
+        return oracle_probs(logits.double().tolist(), **filters)
 
     p1 = probs_after(prompt)
     expected: dict[tuple[int, int], float] = {}
-    for t1 in torch.nonzero(p1).flatten().tolist():
+    for t1 in np.flatnonzero(p1).tolist():
         p2 = probs_after([*prompt, t1])
-        for t2 in torch.nonzero(p2).flatten().tolist():
+        for t2 in np.flatnonzero(p2).tolist():
             expected[(t1, t2)] = float(p1[t1] * p2[t2])
 
     num_draws = 2000

@@ -18,10 +18,10 @@ from transformers import AutoConfig, AutoTokenizer
 from proxy.drafter import load_drafter
 from proxy.drafter.dflash_model import select_target_features
 from proxy.hf import load_causal_lm
-from proxy.modelgen import MASK_TOKEN
 from proxy.runtime import target_info
-from proxy.training.dflash_objective import draft_block_logits
-from proxy.training.evaluate import evaluate_family, slice_windows
+from training.dflash_objective import draft_block_logits
+from training.evaluate import evaluate_family, slice_windows
+from training.modelgen import MASK_TOKEN
 
 FAMILY_DIR = Path(__file__).resolve().parents[1] / "models" / "pycoder"
 RELATIVE_TOLERANCE = 0.02

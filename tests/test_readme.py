@@ -1,14 +1,18 @@
-"""The README's benchmark tables are copied from the committed report, not typed in:
-every row between the `benchmark-tables` markers must equal the row of
-`benchmarks/results/latest.json` with the same configuration, formatted as the report
-formats it."""
+"""The README's benchmark tables and plots are the committed report's, not typed in or
+left over from an older run: every row between the `benchmark-tables` markers must equal
+the row of `benchmarks/results/latest.json` with the same configuration, formatted as
+the report formats it, and every plot it shows must be what the report's own plotting
+function draws from that file."""
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
 
-from benchmarks.report import MAIN_COLUMNS, _fmt, validate_report
+import numpy as np
+from matplotlib.image import imread
+
+from benchmarks.report import MAIN_COLUMNS, _fmt, validate_report, write_plots
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 RESULTS = REPO_ROOT / "benchmarks" / "results"
@@ -53,8 +57,23 @@ def test_readme_benchmark_rows_match_the_committed_report():
             assert cell == _fmt(data.get(key), digits), (cells, title)
 
 
-def test_readme_plots_are_the_reports():
+def test_readme_plots_are_the_reports(tmp_path):
     text = (REPO_ROOT / "README.md").read_text()
-    for name in ("tau_vs_budget.png", "speedup_vs_budget.png"):
-        assert f"(benchmarks/results/{name})" in text
-        assert (RESULTS / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    shown = re.findall(r"!\[[^\]]*\]\(([^)\s]+)\)", text) + re.findall(
+        r"<img[^>]*src=\"([^\"]+)\"", text
+    )
+    assert shown, "README.md shows no images"
+    for path in shown:
+        assert (REPO_ROOT / path).is_file(), f"README.md shows {path}, which does not exist"
+    # Re-drawn from latest.json, each plot must be pixel for pixel the committed one.
+    drawn = write_plots(validate_report(RESULTS / "latest.json"), tmp_path)
+    plots = {f"benchmarks/results/{name}" for name in drawn}
+    assert plots and plots <= set(shown), f"README.md does not show {plots - set(shown)}"
+    assert {path for path in shown if path.startswith("benchmarks/results/")} <= plots
+    for name in drawn:
+        committed, redrawn = imread(RESULTS / name), imread(tmp_path / name)
+        assert committed.shape == redrawn.shape, name
+        assert np.array_equal(committed, redrawn), (
+            f"benchmarks/results/{name} is not what write_plots draws from latest.json; "
+            "redraw it with benchmarks.report.write_plots, or rerun the benchmark"
+        )

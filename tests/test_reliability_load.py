@@ -14,7 +14,8 @@ import sys
 from dataclasses import asdict
 
 import pytest
-from vllm_server import REPO_ROOT
+
+from benchmarks.upstream import REPO_ROOT
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 

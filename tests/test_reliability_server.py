@@ -15,6 +15,7 @@ import httpx
 import pytest
 import schemathesis
 from background_server import BackgroundServer
+from conftest import MAX_MODEL_LEN
 from fault_shim import FaultShim
 from hypothesis import HealthCheck, given, settings
 from schemathesis.checks import not_a_server_error
@@ -31,7 +32,6 @@ CLIENT_KEY = "client-key"
 UPSTREAM_KEY = "upstream-key"
 AUTH = {"Authorization": f"Bearer {CLIENT_KEY}"}
 MAX_BODY = 64 * 1024
-MAX_MODEL_LEN = 2048  # the fixture's --max-model-len
 
 
 def metric_values(url: str, headers: dict | None = None) -> dict[str, float]:

@@ -8,28 +8,15 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import os
-import signal
-import subprocess
 import time
 from pathlib import Path
 
 import httpx
 import pytest
 from background_server import BackgroundServer
-from vllm_server import (
-    MAX_MODEL_LEN,
-    REPO_ROOT,
-    SCRIPT,
-    VLLMServer,
-    _group_alive,
-    free_port,
-    greedy_completion,
-    install_vllm,
-    make_test_model,
-    stop_server,
-)
+from conftest import MAX_MODEL_LEN, make_test_model
 
+from benchmarks import upstream
 from proxy.decoding import TreeSettings
 from proxy.server.app import create_app
 from proxy.server.settings import ServerSettings
@@ -40,27 +27,12 @@ PROMPT = [5, 17, 201, 42, 9, 77, 12, 5, 17, 201]
 NUM_TOKENS = 300  # long enough that the kill lands mid-generation
 
 
-def serve(model_dir: Path, port: int, log_path: Path) -> VLLMServer:
+def serve(model_dir: Path, port: int, log_path: Path) -> upstream.Upstream:
     """Start vLLM on `port` (eager mode: a quick start) and wait until it answers."""
-    install_vllm()
-    command = [
-        "bash", str(SCRIPT), "serve", str(model_dir), "--port", str(port),
-        "--log", str(log_path), "--start-timeout", "600",
-        "--max-model-len", str(MAX_MODEL_LEN), "--enforce-eager",
-    ]  # fmt: skip
-    result = subprocess.run(command, capture_output=True, text=True, cwd=REPO_ROOT)
-    if result.returncode != 0:
-        raise RuntimeError(f"vLLM failed to start (rc {result.returncode}):\n{result.stderr[-5000:]}")
-    fields = dict(line.split("=", 1) for line in result.stdout.splitlines() if "=" in line)
-    return VLLMServer(fields["URL"], model_dir, int(fields["PID"]), log_path)
-
-
-def kill_group(server: VLLMServer) -> None:
-    os.killpg(server.pid, signal.SIGKILL)
-    deadline = time.monotonic() + 30
-    while _group_alive(server.pid):
-        assert time.monotonic() < deadline, "vLLM's processes outlived SIGKILL"
-        time.sleep(0.1)
+    return upstream.start(
+        model_dir, log_path, MAX_MODEL_LEN, port=port, extra_args=("--enforce-eager",),
+        dev_mode=False,
+    )  # fmt: skip
 
 
 def wait_health(url: str, status: int, timeout_s: float) -> float:
@@ -75,10 +47,10 @@ def wait_health(url: str, status: int, timeout_s: float) -> float:
 
 def test_upstream_killed_mid_stream_then_restarted(tmp_path):
     model_dir = make_test_model(tmp_path / "model")
-    port = free_port()
+    port = upstream.free_port()
     vllm = serve(model_dir, port, tmp_path / "vllm-1.log")
     try:
-        reference = greedy_completion(vllm, [PROMPT], NUM_TOKENS)[0]
+        (reference,) = vllm.complete_greedy([PROMPT], NUM_TOKENS)
         settings = ServerSettings(
             target_url=vllm.url, tokenizer=str(model_dir), drafter="ngram",
             tree=TreeSettings(budget=4), max_retries=2, request_timeout=120,
@@ -108,7 +80,7 @@ def test_upstream_killed_mid_stream_then_restarted(tmp_path):
                     if isinstance(chunk, dict) and "choices" in chunk:
                         streamed.extend(chunk["choices"][0]["token_ids"] or [])
                     if killed_at is None and len(streamed) >= 8:
-                        kill_group(vllm)
+                        vllm.kill()
                         killed_at = time.monotonic()
             assert killed_at is not None, "the stream ended before the kill"
             # Committed tokens, all correct; then an OpenAI-style error event and [DONE].
@@ -142,4 +114,4 @@ def test_upstream_killed_mid_stream_then_restarted(tmp_path):
             f"healthy in {recovered_s:.1f} s"
         )
     finally:
-        stop_server(vllm)
+        vllm.stop()

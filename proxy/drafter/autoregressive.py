@@ -48,14 +48,16 @@ class AutoregressiveSession:
         if keep < len(self._cached_tokens):
             crop_cache(self._cache, keep)
             del self._cached_tokens[keep:]
-        token_ids = np.empty((depth, top_k), dtype=np.int64)
-        log_probs = np.empty((depth, top_k), dtype=np.float64)
+        # Ranks past the drafter's vocabulary stay token 0 with log-prob -inf (base.py).
+        token_ids = np.zeros((depth, top_k), dtype=np.int64)
+        log_probs = np.full((depth, top_k), -np.inf, dtype=np.float64)
         with torch.inference_mode():
             step_logprobs = self._feed(committed[keep:])
+            num_ranks = min(top_k, step_logprobs.shape[-1])
             for depth_idx in range(depth):
-                values, indices = torch.topk(step_logprobs, top_k)
-                token_ids[depth_idx] = indices.numpy()
-                log_probs[depth_idx] = values.double().numpy()
+                values, indices = torch.topk(step_logprobs, num_ranks)
+                token_ids[depth_idx, :num_ranks] = indices.numpy()
+                log_probs[depth_idx, :num_ranks] = values.double().numpy()
                 if depth_idx + 1 < depth:
                     step_logprobs = self._feed([int(indices[0])])
         return DraftDistribution(token_ids=token_ids, log_probs=log_probs)

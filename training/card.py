@@ -151,7 +151,7 @@ Seed {metrics["seed"]}, torch intra-op threads fixed at {metrics["threads"]},
    trained on the training files only: {corpus["bytes_per_token"]} bytes per token.
    Each file is one document, preceded by `<|endoftext|>`.
 3. **Target**: initialised as a bigram model of the training stream
-   (`proxy/training/bigram_init.py`: embeddings and lm_head fitted, {hp["bigram_steps"]}
+   (`training/bigram_init.py`: embeddings and lm_head fitted, {hp["bigram_steps"]}
    full-batch steps, to the count-weighted bigram cross-entropy; every block's
    `o_proj`/`down_proj` zeroed so the fresh network *is* that bigram model) -- with
    half a million training tokens, a random start spends most of them relearning
@@ -164,7 +164,7 @@ Seed {metrics["seed"]}, torch intra-op threads fixed at {metrics["threads"]},
 4. **Drafters**, against the frozen target, one target forward per batch feeding
    both, in stages of growing window length ({training["drafter_tokens_seen"]} tokens in all;
    a fresh DFlash drafter learns where to attend far faster over short contexts, see
-   `proxy/training/distill.py`):
+   `training/distill.py`):
 
 {_stage_table(hp)}
 

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from proxy.drafter.dflash_model import DFlashDraftModel, select_target_features
-from proxy.training.dflash_objective import (
+from training.dflash_objective import (
     depth_hits,
     draft_block_logits,
     gather_positions,

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from proxy.training.corpus import WindowSampler
+from training.corpus import WindowSampler
 
 
 def lr_at(step: int, num_steps: int, peak_lr: float, warmup_steps: int) -> float:
@@ -90,14 +90,3 @@ def train_causal_lm(
     model.eval()
     return history
 
-
-@torch.inference_mode()
-def heldout_nll(model: torch.nn.Module, windows: list[torch.Tensor]) -> tuple[float, int]:
-    """(summed NLL in nats, number of predicted tokens) over `windows` ([len] int64
-    each; every token but the first of a window is predicted from its prefix)."""
-    total_nll, num_tokens = 0.0, 0
-    for window in windows:
-        logits = model(input_ids=window[None]).logits[0, :-1].float()  # [len - 1, V]
-        total_nll += float(F.cross_entropy(logits, window[1:], reduction="sum"))
-        num_tokens += len(window) - 1
-    return total_nll, num_tokens

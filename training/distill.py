@@ -30,14 +30,14 @@ import torch
 import torch.nn.functional as F
 
 from proxy.drafter.dflash_model import DFlashDraftModel, select_target_features
-from proxy.training.dflash_objective import (
+from training.dflash_objective import (
     dflash_loss,
     draft_block_logits,
     gather_positions,
     sample_anchors,
     teacher_positions,
 )
-from proxy.training.lm import make_optimizer, run_steps
+from training.lm import make_optimizer, run_steps
 
 
 class BatchSource(Protocol):

@@ -13,7 +13,7 @@ import torch
 from tqdm import tqdm
 from transformers import DynamicCache
 
-from proxy.training.corpus import WindowSampler
+from training.corpus import WindowSampler
 
 
 @torch.inference_mode()
