@@ -98,8 +98,8 @@ class GenerationStats:
 
     def add(self, stats: RoundStats) -> None:
         self.verify_prompt_tokens += stats.verify_prompt_tokens
-        self.switches_to_plain += stats.switch == "to_plain"
-        self.switches_to_speculation += stats.switch == "to_speculation"
+        self.switches_to_plain += stats.switches_to_plain
+        self.switches_to_speculation += stats.switches_to_speculation
         if stats.kind == "plain":
             self.plain_tokens += stats.acceptance_length
             self.plain_calls += stats.upstream_calls
@@ -207,7 +207,7 @@ async def stream_generate(
         )
         committed = list(request.prompt_ids)
         new_tokens = len(committed)  # context the target has not seen yet
-        was_plain = controller is not None and controller.plain
+        reported = (0, 0)  # the controller's switch counts already reported
         while output.finish_reason is None:
             depth = min(max_depth, output.remaining - 1, target.max_model_len - len(committed) - 1)
             shape = RoundShape(kind=settings.kind, budget=settings.budget, depth=depth)
@@ -220,7 +220,6 @@ async def stream_generate(
                 async for delta in chunk:
                     yield delta
                 new_tokens = 1  # the stream left the target's cache holding the context
-                was_plain = True
                 continue
             choose = None
             if controller is not None:
@@ -229,10 +228,13 @@ async def stream_generate(
             stats = done.stats
             if controller is not None and adaptive is not None:
                 _learn(controller, adaptive, done, new_tokens)
-                if controller.plain != was_plain:
-                    switch = "to_plain" if controller.plain else "to_speculation"
-                    stats = dataclasses.replace(stats, switch=switch)
-                was_plain = controller.plain
+                counts = (controller.num_switches_to_plain, controller.num_switches_to_speculation)
+                stats = dataclasses.replace(
+                    stats,
+                    switches_to_plain=counts[0] - reported[0],
+                    switches_to_speculation=counts[1] - reported[1],
+                )
+                reported = counts
             new_tokens = len(done.tokens)
             yield await output.add(
                 done.tokens,

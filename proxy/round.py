@@ -40,8 +40,9 @@ class RoundStats:
     # "plain": not a round but tokens of plain generation (acceptance_length = their
     # number; no tree); "speculative": a verified tree.
     kind: Literal["speculative", "plain"] = "speculative"
-    # The adaptive policy's switch that this step made or completed, if any.
-    switch: Literal["to_plain", "to_speculation"] | None = None
+    # The adaptive policy's switches since the previous step.
+    switches_to_plain: int = 0
+    switches_to_speculation: int = 0
 
 
 @dataclass(frozen=True)

@@ -136,8 +136,8 @@ class ServerMetrics:
     def observe(self, stats: RoundStats, num_tokens: int) -> None:
         """One step of a generation: a verified round, or a piece of plain generation."""
         self.generated_tokens.inc(num_tokens)
-        if stats.switch is not None:
-            self.switches.labels(stats.switch).inc()
+        self.switches.labels("to_plain").inc(stats.switches_to_plain)
+        self.switches.labels("to_speculation").inc(stats.switches_to_speculation)
         if stats.kind == "plain":
             self.plain_tokens.inc(stats.acceptance_length)
             self.plain_streams.inc(stats.upstream_calls)
