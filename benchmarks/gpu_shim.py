@@ -7,7 +7,8 @@ is held until the profile's time for it has passed (never released earlier than 
 answers: a shim can only add latency):
 
 * one call, non-streaming (the proxy's verification: n prompts, max_tokens 1):
-  per_call + per_prompt * n + max(decode_step, per_token * recomputed tokens);
+  per_call + per_prompt * n + max(decode_step, per_token * recomputed tokens), plus one
+  decode_step per further token when max_tokens > 1 (the n prompts decode as a batch);
 * a stream: its first token after per_call + max(decode_step, per_token * recomputed),
   every later token one decode_step after the one before.
 
@@ -115,7 +116,8 @@ def create_shim(upstream_url: str, profile: Profile) -> Starlette:
         if not body.get("stream"):
             content = await response.aread()
             await response.aclose()
-            await _sleep_until(start + first_s)
+            later_steps = max(0, int(body.get("max_tokens") or 16) - 1)
+            await _sleep_until(start + first_s + later_steps * profile.decode_step_s)
             return Response(content, response.status_code, media_type="application/json")
 
         async def events():

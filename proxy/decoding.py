@@ -213,7 +213,7 @@ async def stream_generate(
             shape = RoundShape(kind=settings.kind, budget=settings.budget, depth=depth)
             if controller is not None and controller.next_is_plain():
                 assert adaptive is not None and draft_session is not None
-                chunk = _plain_chunk(
+                chunk = _plain_stream(
                     session, draft_session, committed, output, controller, adaptive, shape,
                     new_tokens, target.max_model_len,
                 )  # fmt: skip
@@ -258,7 +258,7 @@ def _learn(controller: Controller, adaptive: AdaptiveState, done, new_tokens: in
     adaptive.costs.observe_round(len(done.tokens), overhead + stats.verify_s, overhead)
 
 
-async def _plain_chunk(
+async def _plain_stream(
     session: TargetSession,
     draft_session: DraftSession,
     committed: list[int],
@@ -269,10 +269,10 @@ async def _plain_chunk(
     new_tokens: int,
     max_model_len: int,
 ) -> AsyncIterator[Delta]:
-    """One chunk of plain generation, streamed from the target; shadow rounds (trees
-    the drafter proposes on the way, walked once the tokens they predict arrive) tell
-    the controller when speculation would pay again."""
-    num_tokens = controller.plain_chunk(min(output.remaining, max_model_len - len(committed)))
+    """Plain generation, streamed from the target, until the output ends or the
+    controller closes the stream; shadow rounds (trees the drafter proposes on the way,
+    walked once the tokens they predict arrive) tell it when speculation pays again."""
+    num_tokens = min(output.remaining, max_model_len - len(committed))
     started = last = time.perf_counter()
     first_token_s: float | None = None
     gaps: list[float] = []
@@ -307,13 +307,13 @@ async def _plain_chunk(
             last = now
             committed.extend(tokens)
             draft_session.advance(committed, None)
-            controller.observe_plain_tokens(committed)
+            leave = controller.observe_plain_tokens(committed, len(tokens))
             since_shadow += len(tokens)
             delta = await output.add(
                 tokens, logprobs, at_context_limit=len(committed) >= max_model_len, stats=stats
             )
             yield delta
-            if output.finish_reason is not None:
+            if output.finish_reason is not None or leave:
                 break
     except TargetError:
         # A stream that broke cannot be resumed as it was, but every token so far is
@@ -325,7 +325,6 @@ async def _plain_chunk(
     adaptive.costs.observe_plain(first_token_s, gaps)
     if first_token_s is not None:
         adaptive.costs.observe_call(1, new_tokens, first_token_s)  # a stream opens with a prefill
-    controller.end_chunk()
 
 
 async def _add_shadow(

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from proxy.adaptive import AdaptiveState, Calibration, CostModel
-from proxy.adaptive.controller import FIRST_CHUNK, MAX_CHUNK, MIN_CALLS
+from proxy.adaptive.controller import MIN_CALLS, PROBE_FIRST
 from proxy.tree import DraftDistribution, build_tree
 
 
@@ -85,7 +85,7 @@ def test_controller_verifies_the_root_alone_when_drafts_never_land():
     assert state.controller(can_stream=False, seeded=False).choose_nodes(tree, 1) == 0
 
 
-def test_controller_steps_aside_and_comes_back():
+def test_controller_steps_aside_probes_and_comes_back():
     # Plain generation at 5 ms/token against 30 ms calls: a weak tree does not pay.
     state = _trained_state(0.030, 0.002, 0.0, plain_token_s=0.005)
     controller = state.controller(can_stream=True, seeded=False)
@@ -93,22 +93,32 @@ def test_controller_steps_aside_and_comes_back():
     weak = _tree(0.2)
     controller.choose_nodes(weak, 1)
     assert controller.plain and controller.num_switches_to_plain == 1
-    assert controller.next_is_plain() and controller.plain_chunk(1000) == FIRST_CHUNK
-    # Plain chunks double while no shadow round says otherwise.
-    controller.end_chunk()
-    assert controller.plain_chunk(1000) == 2 * FIRST_CHUNK
-    for _ in range(10):
-        controller.end_chunk()
-    assert controller.plain_chunk(1000) == MAX_CHUNK
+    assert controller.next_is_plain()
+    # Unpredictable text: the stream runs until a probe is due, then one real round...
+    committed = list(range(100, 110))
+    left_at = None
+    for count in range(1, 200):
+        committed.append(200 + count)
+        if controller.observe_plain_tokens(committed, 1):
+            left_at = count
+            break
+    assert left_at == PROBE_FIRST and not controller.next_is_plain()
+    controller.choose_nodes(weak, 1)  # the probe round: plain still wins
+    assert controller.plain and controller.next_is_plain()
+    # ...and the next probe comes after twice as many plain tokens.
+    left = [controller.observe_plain_tokens(committed, 1) for _ in range(2 * PROBE_FIRST)]
+    assert left.index(True) == 2 * PROBE_FIRST - 1
     # Shadow rounds on text the drafter predicts perfectly: deep trees land -> back.
+    controller.choose_nodes(weak, 1)
     strong = _tree(0.999, budget=16, depth=16)  # a chain of 16 likely tokens
     path = [int(t) for t in strong.token_ids[strong.path(int(np.argmax(strong.depths)))]]
     committed = [1, 2, 3, 5]
-    for _ in range(4):
+    leaves = []
+    for _ in range(2):
         controller.add_shadow(strong, len(committed), 1)
         committed += path + [5]  # the predicted tokens came, then the next root
-        controller.observe_plain_tokens(committed)
-    controller.end_chunk()
+        leaves.append(controller.observe_plain_tokens(committed, len(path) + 1))
+    assert leaves == [False, True]  # two shadow rounds make the prediction
     assert not controller.plain and controller.num_switches_to_speculation == 1
 
 
@@ -119,5 +129,6 @@ def test_seeded_requests_never_switch():
     controller.start()
     assert controller.plain  # speculation does not pay: the whole request is plain...
     controller.choose_nodes(_tree(0.999), 1)
-    controller.end_chunk()
+    committed = list(range(10, 400))
+    assert not any(controller.observe_plain_tokens(committed, 1) for _ in range(600))
     assert controller.plain and controller.num_switches_to_speculation == 0  # ...throughout

@@ -25,12 +25,13 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
 
 class Scripted(Controller):
-    """Switch after every step: a round of `num_nodes` nodes (None: all), then a plain
-    chunk of `chunk` tokens, and so on; `plain_first` picks the first."""
+    """Switch after every step: a round of `num_nodes` nodes (None: all), then `chunk`
+    plain tokens, and so on; `plain_first` picks the first."""
 
     def __init__(self, state: AdaptiveState, plain_first: bool, num_nodes: int | None, chunk: int):
         super().__init__(state.costs, state.calibration, can_stream=True, seeded=False)
-        self._plain_first, self._nodes, self._chunk_size = plain_first, num_nodes, chunk
+        self._plain_first, self._nodes, self._chunk = plain_first, num_nodes, chunk
+        self._num_plain = 0
 
     def start(self) -> None:
         self.plain = self._plain_first
@@ -39,11 +40,13 @@ class Scripted(Controller):
         self._go_plain()
         return tree.num_nodes if self._nodes is None else min(self._nodes, tree.num_nodes)
 
-    def plain_chunk(self, remaining: int) -> int:
-        return min(self._chunk_size, remaining)
-
-    def end_chunk(self) -> None:
+    def observe_plain_tokens(self, committed: list[int], num_new: int) -> bool:
+        self._num_plain += num_new
+        if self._num_plain < self._chunk:
+            return False
+        self._num_plain = 0
         self._go_speculative()
+        return True
 
 
 class ScriptedState(AdaptiveState):

@@ -8,18 +8,21 @@ first n nodes, and its cost, the drafting overhead plus the fitted call latency 
 n + 1 prompts; it verifies the n with the most tokens per second.
 
 Plain generation is the alternative: for a target that can stream (vLLM), the rest of
-the output comes straight from the target in chunks. The controller steps aside when
-the best round's expected rate falls below plain generation's, and comes back when
-shadow rounds -- trees proposed during the plain stream and walked along the tokens
-that really came, which cost no target call -- predict a rate `RETURN_MARGIN` above
-it. Chunks double while plain keeps winning, and every few chunks one real round
-refreshes the verification costs. A target that cannot stream (engine mode) just
-verifies fewer nodes, down to the root alone.
+the output is asked of the target in one stream. The controller steps aside when the
+best round's expected rate falls below plain generation's. During the stream the
+drafter proposes shadow trees, walked along the tokens that really came (no target
+call): they keep the calibration current and predict what speculation would give.
+The stream is closed, and the request goes back to speculation, as soon as the recent
+shadows predict a rate `RETURN_MARGIN` above plain's (hysteresis). After
+`PROBE_FIRST` plain tokens (doubling up to `PROBE_MAX` while plain keeps winning) the
+stream is closed for one real round, which refreshes the verification costs, and a
+new stream goes on if plain still wins. A target that cannot stream (engine mode)
+just verifies fewer nodes, down to the root alone.
 
 A seeded request never switches: plain generation draws with vLLM's own seeded
 generator and speculation with per-position seeds (`proxy.sampling`); both follow the
 target's distribution, but a switch would make the output depend on timing. It picks
-one path at its start and keeps it.
+one path at its start and keeps it (a plain one does not even probe).
 """
 
 from __future__ import annotations
@@ -34,10 +37,12 @@ from proxy.tree import DraftTree, walk
 
 MIN_CALLS = 4  # verification calls to see before the fit is trusted
 RETURN_MARGIN = 1.1  # back to speculation only when it is predicted 10% faster
-FIRST_CHUNK = 16  # plain tokens per chunk at first; doubles up to MAX_CHUNK
-MAX_CHUNK = 128
 SHADOW_EVERY = 8  # plain tokens between two shadow rounds
-PROBE_EVERY = 4  # plain chunks between two real rounds that refresh the costs
+SHADOW_WINDOW = 4  # recent shadow rounds whose mean predicts speculation's rate
+EXPLORE_TOKENS = 16  # plain tokens between two exploring rounds, until the fit has data
+PROBE_FIRST = 64  # plain tokens before the first probe round; doubles up to PROBE_MAX
+PROBE_MAX = 512
+PLAIN_RATE_TOKENS = 64  # the stream length over which plain's first-token wait is spread
 
 
 @dataclass
@@ -74,10 +79,10 @@ class Controller:
         self.can_stream = can_stream
         self.seeded = seeded
         self.plain = False
-        self._chunk = FIRST_CHUNK
-        self._num_chunks = 0
         self._probe_due = False
         self._num_explored = 0
+        self._plain_since_round = 0  # plain tokens since the last real round
+        self._probe_after = PROBE_FIRST
         self._shadows: list[Shadow] = []
         self._shadow_rates: list[float] = []
         # Decisions made, for usage.ddtree and /metrics.
@@ -88,17 +93,22 @@ class Controller:
 
     def start(self) -> None:
         """Pick the first path: plain when the last measurements say speculation does
-        not pay (seeded requests keep it for their whole length)."""
-        if self.can_stream and self._plain_rate() is None and not self.seeded:
-            self.plain = True  # measure plain generation first: it is never slower
-        elif self.can_stream and self._trusted() and self._plain_rate() is not None:
-            self.plain = self._expected_speculative_rate() < self._plain_rate()
+        not pay, or (unseeded) when plain generation was never measured: it is never
+        slower than the target alone."""
+        if not self.can_stream:
+            return
+        plain_rate = self._plain_rate()
+        if plain_rate is None:
+            self.plain = not self.seeded
+        elif self._trusted():
+            self.plain = self.costs.recent_round_rate() < plain_rate
 
     # ----- speculating ----------------------------------------------------------
 
     def choose_nodes(self, tree: DraftTree, new_tokens: int) -> int:
         """How many of `tree`'s nodes to verify this round (`new_tokens`: context the
         target has not seen yet, per prompt)."""
+        self._plain_since_round = 0
         if not self._trusted():
             # Explore until the fit has data, varying the prompt count so that the
             # per-call and per-prompt costs can be told apart.
@@ -126,8 +136,7 @@ class Controller:
     # ----- plain ----------------------------------------------------------------
 
     def next_is_plain(self) -> bool:
-        """Plain generation next? (While plain, every PROBE_EVERY-th chunk is replaced
-        by one real round, which refreshes the verification costs.)"""
+        """Plain generation next? (A probe, when due, is one real round in between.)"""
         if not self.plain:
             return False
         if self._probe_due:
@@ -135,14 +144,13 @@ class Controller:
             return False
         return True
 
-    def plain_chunk(self, remaining: int) -> int:
-        return min(self._chunk, remaining)
-
     def add_shadow(self, tree: DraftTree, start: int, new_tokens: int) -> None:
         self._shadows.append(Shadow(tree, start, new_tokens))
 
-    def observe_plain_tokens(self, committed: list[int]) -> None:
-        """Walk every shadow whose predicted span has fully arrived."""
+    def observe_plain_tokens(self, committed: list[int], num_new: int) -> bool:
+        """`num_new` plain tokens arrived (now the end of `committed`): walk the shadows
+        they complete. Returns True when the stream should close now: speculation is
+        predicted to pay again, or a probe round is due."""
         waiting: list[Shadow] = []
         for shadow in self._shadows:
             span = shadow.tree.max_depth + 1
@@ -152,25 +160,34 @@ class Controller:
             actual = committed[shadow.start : shadow.start + span]
             result = walk(shadow.tree, _target_tokens_along(shadow.tree, actual))
             self.observe_round(shadow.tree, result.accepted_nodes)
-            self._shadow_rates.append(
-                float(np.max(self._round_rates(shadow.tree, shadow.new_tokens)))
-            )
+            rates = self._round_rates(shadow.tree, shadow.new_tokens)
+            self._shadow_rates = [*self._shadow_rates, float(np.max(rates))][-SHADOW_WINDOW:]
         self._shadows = waiting
-
-    def end_chunk(self) -> None:
-        """After a plain chunk: come back to speculation, or double the next chunk."""
-        self._num_chunks += 1
+        if self.seeded:
+            return False  # one path for the whole request
+        self._plain_since_round += num_new
         plain_rate = self._plain_rate()
-        shadow_rates, self._shadow_rates = self._shadow_rates, []
-        if not self.seeded and shadow_rates and self._trusted() and plain_rate is not None:
-            if float(np.mean(shadow_rates)) > RETURN_MARGIN * plain_rate:
-                self._go_speculative()
-                return
-        if not self._trusted():
-            self._probe_due = True  # one real round per chunk until the fit has data
-            return
-        self._chunk = min(2 * self._chunk, MAX_CHUNK)
-        self._probe_due = self._num_chunks % PROBE_EVERY == 0
+        if (
+            self._trusted()
+            and plain_rate is not None
+            and len(self._shadow_rates) >= 2
+            and float(np.mean(self._shadow_rates)) > RETURN_MARGIN * plain_rate
+        ):
+            self._go_speculative()
+            return True
+        limit = self._probe_after if self._trusted() else EXPLORE_TOKENS
+        if self._plain_since_round >= limit:
+            self._probe_due = True
+            if self._trusted():
+                self._probe_after = min(2 * self._probe_after, PROBE_MAX)
+            return True
+        return False
+
+    def stop_plain(self) -> None:
+        """Plain generation failed mid-stream: go on speculating (verification calls
+        are retried; a stream that broke is not)."""
+        if self.plain:
+            self._go_speculative()
 
     # ----- the numbers ----------------------------------------------------------
 
@@ -180,20 +197,15 @@ class Controller:
     def _go_plain(self) -> None:
         self.plain = True
         self.num_switches_to_plain += 1
-        self._chunk = FIRST_CHUNK
-        self._num_chunks = 0
         self._probe_due = False
-
-    def stop_plain(self) -> None:
-        """Plain generation failed mid-stream: go on speculating (verification calls
-        are retried; a stream that broke is not)."""
-        if self.plain:
-            self._go_speculative()
+        self._probe_after = PROBE_FIRST
+        self._shadow_rates = []
 
     def _go_speculative(self) -> None:
         self.plain = False
         self.num_switches_to_speculation += 1
         self._shadows = []
+        self._shadow_rates = []
 
     def _round_rates(self, tree: DraftTree, new_tokens: int) -> np.ndarray:
         """[num_nodes + 1] expected tokens per second when verifying the first n nodes."""
@@ -208,12 +220,8 @@ class Controller:
     def _plain_rate(self) -> float | None:
         if not self.can_stream:
             return None
-        seconds = self.costs.plain_seconds(self._chunk)
-        return None if seconds is None else self._chunk / seconds
-
-    def _expected_speculative_rate(self) -> float:
-        """A request's expected rate before its first tree: the mean over recent rounds."""
-        return self.costs.recent_round_rate()
+        seconds = self.costs.plain_seconds(PLAIN_RATE_TOKENS)
+        return None if seconds is None else PLAIN_RATE_TOKENS / seconds
 
 
 def _target_tokens_along(tree: DraftTree, actual: list[int]) -> np.ndarray:
