@@ -83,6 +83,17 @@ class _RecordingSession:
         self._seen = self.log.context_len[-1] + len(result.accepted_nodes)
         return await self.inner.accept(tree, result)
 
+    async def plain(self, committed: Sequence[int], max_tokens: int):
+        # Plain generation has no tree to log; the next round's context starts after it.
+        stream = self.inner.plain(committed, max_tokens)
+        self._seen = len(committed)
+        try:
+            async for tokens, logprobs in stream:
+                self._seen += len(tokens)
+                yield tokens, logprobs
+        finally:
+            await stream.aclose()
+
     async def aclose(self) -> None:
         await self.inner.aclose()
 
@@ -97,6 +108,7 @@ class RecordingTarget:
         self.max_model_len = inner.max_model_len
         self.eos_token_ids = inner.eos_token_ids
         self.strategies = inner.strategies
+        self.can_stream = inner.can_stream
         self.check_options = inner.check_options
         self.health = inner.health
         self.aclose = inner.aclose

@@ -17,7 +17,7 @@ import pydantic
 
 from proxy.backend.base import TargetError
 from proxy.backend.vllm import Strategy
-from proxy.decoding import GenerationRequest, TreeSettings, generate
+from proxy.decoding import BudgetPolicy, GenerationRequest, TreeSettings, generate
 from proxy.drafter import DRAFTERS
 from proxy.runtime import DEFAULT_DRAFTER, DEFAULT_TARGET_DIR, Runtime, build_runtime
 from proxy.sampling import SamplingParams
@@ -28,7 +28,20 @@ def _tree_settings(args: argparse.Namespace) -> TreeSettings:
     if args.no_draft:
         return TreeSettings(kind="none")
     kind = "chain" if args.chain else "ddtree"
-    return TreeSettings(kind=kind, budget=args.budget, depth=args.depth)
+    return TreeSettings(
+        kind=kind, budget=args.budget, depth=args.depth, policy=args.policy or "adaptive"
+    )
+
+
+def _add_policy_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--budget-policy",
+        dest="policy",
+        choices=get_args(BudgetPolicy),
+        default=None,
+        help="adaptive (default): per round the nodes (up to --budget), or plain "
+        "generation, with the most expected tokens/s; fixed: always --budget",
+    )
 
 
 def _add_device_args(parser: argparse.ArgumentParser) -> None:
@@ -59,6 +72,7 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     shape.add_argument("--no-draft", action="store_true", help="no speculation at all")
     parser.add_argument("--depth", type=int, default=None, help="tree depth per round")
     _add_device_args(parser)
+    _add_policy_arg(parser)
     parser.add_argument(
         "--torch-threads",
         type=int,
@@ -116,7 +130,9 @@ async def _generate(
         request = GenerationRequest(
             prompt_ids=prompt_ids, max_tokens=max_tokens, sampling=sampling, tree=settings.tree
         )
-        return await generate(runtime.target, runtime.drafter, request, runtime.detokenizer())
+        return await generate(
+            runtime.target, runtime.drafter, request, runtime.detokenizer(), runtime.adaptive
+        )
     finally:
         await runtime.aclose()
 
@@ -178,6 +194,7 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
     shape.add_argument("--no-draft", action="store_true", help="no speculation at all")
     parser.add_argument("--depth", type=int, default=None, help="tree depth per round")
     _add_device_args(parser)
+    _add_policy_arg(parser)
     parser.add_argument(
         "--strategy",
         choices=get_args(Strategy),

@@ -10,21 +10,29 @@ knows nothing about HTTP or models: it sees a `Target` and a `Drafter`.
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
+import functools
+import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from proxy.backend.base import SessionOptions, Target
-from proxy.drafter.base import Drafter
+from proxy.adaptive import AdaptiveState, Controller
+from proxy.adaptive.controller import SHADOW_EVERY
+from proxy.backend.base import SessionOptions, Target, TargetError, TargetSession
+from proxy.drafter.base import Drafter, DraftSession
 from proxy.output import Delta, Detokenize, OutputProcessor
 from proxy.round import RoundShape, RoundStats, speculate
 from proxy.sampling import SamplingParams
+from proxy.tree import build_chain, build_tree
 
 DEFAULT_DEPTH = 8  # used when the drafter has no block limit of its own
 
 TreeKind = Literal["ddtree", "chain", "none"]
+BudgetPolicy = Literal["adaptive", "fixed"]
 
 
 class TreeSettings(BaseModel):
@@ -38,6 +46,11 @@ class TreeSettings(BaseModel):
     budget: int = Field(16, ge=1, le=4096, description="tree nodes per round (ddtree)")
     depth: int | None = Field(
         None, ge=1, le=256, description="levels per round; default: the drafter's maximum, else 8"
+    )
+    policy: BudgetPolicy = Field(
+        "adaptive",
+        description="adaptive: per round, the nodes (up to budget) or plain generation with "
+        "the most expected tokens per second; fixed: always the budget",
     )
 
 
@@ -78,16 +91,27 @@ class GenerationStats:
     verify_s: float = 0.0
     upstream_calls: int = 0
     verify_prompt_tokens: int = 0
+    plain_tokens: int = 0  # tokens from plain generation (the adaptive policy's fallback)
+    plain_calls: int = 0  # plain streams opened (not counted in upstream_calls)
+    switches_to_plain: int = 0
+    switches_to_speculation: int = 0
 
     def add(self, stats: RoundStats) -> None:
+        self.verify_prompt_tokens += stats.verify_prompt_tokens
+        self.switches_to_plain += stats.switches_to_plain
+        self.switches_to_speculation += stats.switches_to_speculation
+        if stats.kind == "plain":
+            self.plain_tokens += stats.acceptance_length
+            self.plain_calls += stats.upstream_calls
+            self.verify_s += stats.verify_s
+            return
+        self.upstream_calls += stats.upstream_calls
         self.rounds += 1
         self.acceptance_lengths.append(stats.acceptance_length)
         self.tree_nodes.append(stats.num_nodes)
         self.draft_s += stats.draft_s
         self.tree_s += stats.tree_s
         self.verify_s += stats.verify_s
-        self.upstream_calls += stats.upstream_calls
-        self.verify_prompt_tokens += stats.verify_prompt_tokens
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -106,6 +130,10 @@ class GenerationStats:
             "verify_s": round(self.verify_s, 6),
             "upstream_calls": self.upstream_calls,
             "verify_prompt_tokens": self.verify_prompt_tokens,
+            "plain_tokens": self.plain_tokens,
+            "plain_calls": self.plain_calls,
+            "switches_to_plain": self.switches_to_plain,
+            "switches_to_speculation": self.switches_to_speculation,
         }
 
 
@@ -135,8 +163,12 @@ async def stream_generate(
     drafter: Drafter | None,
     request: GenerationRequest,
     detokenize: Detokenize,
+    adaptive: AdaptiveState | None = None,
 ) -> AsyncIterator[Delta]:
-    """Yield the output round by round; the last Delta carries the finish reason."""
+    """Yield the output round by round; the last Delta carries the finish reason.
+
+    `adaptive`: what the adaptive policy has learnt (shared by a runtime's requests);
+    without it, or with policy "fixed", every round verifies the full budget."""
     settings = request.tree
     use_drafter = settings.kind != "none"
     if use_drafter and drafter is None:
@@ -163,24 +195,154 @@ async def stream_generate(
         strategy=request.strategy,
         stop_token_ids=request.stop_token_ids,
     )
+    controller: Controller | None = None
+    if adaptive is not None and use_drafter and settings.policy == "adaptive":
+        controller = adaptive.controller(
+            can_stream=target.can_stream, seeded=request.sampling.seed is not None
+        )
+        controller.start()
     session = await target.start(request.prompt_ids, options)
     try:
         draft_session = (
             drafter.start(request.prompt_ids, session.prompt_features) if use_drafter else None
         )
         committed = list(request.prompt_ids)
+        new_tokens = len(committed)  # context the target has not seen yet
+        reported = (0, 0)  # the controller's switch counts already reported
         while output.finish_reason is None:
             depth = min(max_depth, output.remaining - 1, target.max_model_len - len(committed) - 1)
             shape = RoundShape(kind=settings.kind, budget=settings.budget, depth=depth)
-            done = await speculate(session, draft_session, committed, shape)
+            if controller is not None and controller.next_is_plain():
+                assert adaptive is not None and draft_session is not None
+                chunk = _plain_stream(
+                    session, draft_session, committed, output, controller, adaptive, shape,
+                    new_tokens, target.max_model_len,
+                )  # fmt: skip
+                async for delta in chunk:
+                    yield delta
+                new_tokens = 1  # the stream left the target's cache holding the context
+                continue
+            choose = None
+            if controller is not None:
+                choose = functools.partial(controller.choose_nodes, new_tokens=new_tokens)
+            done = await speculate(session, draft_session, committed, shape, choose)
+            stats = done.stats
+            if controller is not None and adaptive is not None:
+                _learn(controller, adaptive, done, new_tokens)
+                counts = (controller.num_switches_to_plain, controller.num_switches_to_speculation)
+                stats = dataclasses.replace(
+                    stats,
+                    switches_to_plain=counts[0] - reported[0],
+                    switches_to_speculation=counts[1] - reported[1],
+                )
+                reported = counts
+            new_tokens = len(done.tokens)
             yield await output.add(
                 done.tokens,
                 done.logprobs,
                 at_context_limit=len(committed) >= target.max_model_len,
-                stats=done.stats,
+                stats=stats,
             )
     finally:
         await session.aclose()
+
+
+def _learn(controller: Controller, adaptive: AdaptiveState, done, new_tokens: int) -> None:
+    """Feed a verified round to the calibration and the cost model."""
+    tree, stats = done.tree, done.stats
+    controller.observe_round(tree, done.accepted_nodes)
+    num_prompts = tree.num_nodes + 1
+    adaptive.costs.observe_call(
+        num_prompts, num_prompts * new_tokens + int(tree.depths.sum()), stats.verify_s
+    )
+    overhead = stats.draft_s + stats.tree_s
+    adaptive.costs.observe_round(len(done.tokens), overhead + stats.verify_s, overhead)
+
+
+async def _plain_stream(
+    session: TargetSession,
+    draft_session: DraftSession,
+    committed: list[int],
+    output: OutputProcessor,
+    controller: Controller,
+    adaptive: AdaptiveState,
+    shape: RoundShape,
+    new_tokens: int,
+    max_model_len: int,
+) -> AsyncIterator[Delta]:
+    """Plain generation, streamed from the target, until the output ends or the
+    controller closes the stream; shadow rounds (trees the drafter proposes on the way,
+    walked once the tokens they predict arrive) tell it when speculation pays again."""
+    num_tokens = min(output.remaining, max_model_len - len(committed))
+    started = last = time.perf_counter()
+    first_token_s: float | None = None
+    gaps: list[float] = []
+    since_shadow = SHADOW_EVERY  # a shadow right at the start
+    stream = session.plain(list(committed), num_tokens)
+    try:
+        while True:
+            if since_shadow >= SHADOW_EVERY and shape.depth >= 1:
+                await _add_shadow(draft_session, committed, controller, shape, since_shadow)
+                since_shadow = 0
+            try:
+                tokens, logprobs = await anext(stream)
+            except StopAsyncIteration:
+                break
+            now = time.perf_counter()
+            if first_token_s is None:
+                first_token_s = now - started
+                calls, sent = 1, len(committed)
+            else:
+                gaps.extend([(now - last) / len(tokens)] * len(tokens))
+                calls, sent = 0, 0
+            stats = RoundStats(
+                acceptance_length=len(tokens),
+                num_nodes=0,
+                draft_s=0.0,
+                tree_s=0.0,
+                verify_s=now - last,
+                upstream_calls=calls,
+                verify_prompt_tokens=sent,
+                kind="plain",
+            )
+            last = now
+            committed.extend(tokens)
+            draft_session.advance(committed, None)
+            leave = controller.observe_plain_tokens(committed, len(tokens))
+            since_shadow += len(tokens)
+            delta = await output.add(
+                tokens, logprobs, at_context_limit=len(committed) >= max_model_len, stats=stats
+            )
+            yield delta
+            if output.finish_reason is not None or leave:
+                break
+    except TargetError:
+        # A stream that broke cannot be resumed as it was, but every token so far is
+        # the target's: go on with verification rounds, which are retried (and fail
+        # the request only if the upstream keeps failing).
+        controller.stop_plain()
+    finally:
+        await stream.aclose()
+    adaptive.costs.observe_plain(first_token_s, gaps)
+    if first_token_s is not None:
+        adaptive.costs.observe_call(1, new_tokens, first_token_s)  # a stream opens with a prefill
+
+
+async def _add_shadow(
+    draft_session: DraftSession,
+    committed: list[int],
+    controller: Controller,
+    shape: RoundShape,
+    new_tokens: int,
+) -> None:
+    top_k = 1 if shape.kind == "chain" else shape.budget
+    dist = await asyncio.to_thread(draft_session.propose, committed, shape.depth, top_k)
+    root = committed[-1]
+    if shape.kind == "chain":
+        tree = build_chain(root, dist, shape.depth)
+    else:
+        tree = build_tree(root, dist, shape.budget, shape.depth)
+    controller.add_shadow(tree, len(committed), new_tokens)
 
 
 async def generate(
@@ -188,6 +350,7 @@ async def generate(
     drafter: Drafter | None,
     request: GenerationRequest,
     detokenize: Detokenize,
+    adaptive: AdaptiveState | None = None,
 ) -> GenerationResult:
     """Run a generation to the end and collect it."""
     stats = GenerationStats()
@@ -195,7 +358,7 @@ async def generate(
     logprobs: list[float] | None = [] if request.logprobs else None
     text = ""
     finish, stop_reason = "length", None
-    async for delta in stream_generate(target, drafter, request, detokenize):
+    async for delta in stream_generate(target, drafter, request, detokenize, adaptive):
         stats.add(delta.round)
         token_ids.extend(delta.token_ids)
         text += delta.text

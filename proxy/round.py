@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
-from typing import Literal
+from typing import Callable, Literal
 
 import numpy as np
 
@@ -37,6 +37,12 @@ class RoundStats:
     verify_s: float  # verify + walk + keep the accepted path
     upstream_calls: int  # HTTP calls this round made (0 in engine mode)
     verify_prompt_tokens: int  # tokens this round sent to the target
+    # "plain": not a round but tokens of plain generation (acceptance_length = their
+    # number; no tree); "speculative": a verified tree.
+    kind: Literal["speculative", "plain"] = "speculative"
+    # The adaptive policy's switches since the previous step.
+    switches_to_plain: int = 0
+    switches_to_speculation: int = 0
 
 
 @dataclass(frozen=True)
@@ -44,6 +50,8 @@ class Round:
     tokens: list[int]  # committed this round: accepted tokens, then the bonus token
     logprobs: list[float] | None  # the target's log-prob of each, when asked for
     stats: RoundStats
+    tree: DraftTree  # what was verified
+    accepted_nodes: list[int]  # its node indices on the accepted path
 
 
 def root_only(root_token: int) -> DraftTree:
@@ -61,8 +69,12 @@ async def speculate(
     draft_session: DraftSession | None,
     committed: list[int],
     shape: RoundShape,
+    choose: Callable[[DraftTree], int] | None = None,
 ) -> Round:
-    """Run one round and append its tokens to `committed` (whose last token is the root)."""
+    """Run one round and append its tokens to `committed` (whose last token is the root).
+
+    `choose`, when given, says how many of the built tree's nodes to verify (the tree
+    is built at the full budget; its first n nodes are the budget-n tree)."""
     calls_before = session.counters.upstream_calls
     tokens_before = session.counters.verify_prompt_tokens
     root = committed[-1]
@@ -78,6 +90,8 @@ async def speculate(
             tree = build_chain(root, dist, shape.depth)
         else:
             tree = build_tree(root, dist, shape.budget, shape.depth)
+        if choose is not None:
+            tree = tree.prefix(choose(tree))
     else:
         tree = root_only(root)
     built = time.perf_counter()
@@ -103,4 +117,10 @@ async def speculate(
         upstream_calls=session.counters.upstream_calls - calls_before,
         verify_prompt_tokens=session.counters.verify_prompt_tokens - tokens_before,
     )
-    return Round(tokens=list(new_tokens), logprobs=logprobs, stats=stats)
+    return Round(
+        tokens=list(new_tokens),
+        logprobs=logprobs,
+        stats=stats,
+        tree=tree,
+        accepted_nodes=result.accepted_nodes,
+    )

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
+from proxy.adaptive import AdaptiveState
 from proxy.backend.base import Target
 from proxy.backend.vllm import RetryPolicy, VLLMHttp, VLLMTarget
 from proxy.backend.vllm_tokens import VLLMTokens
@@ -54,6 +55,8 @@ class Runtime:
     # Where requests DDTree does not serve go unchanged; None: nowhere (engine mode).
     upstream: VLLMHttp | None = None
     created: int = field(default_factory=lambda: int(time.time()))
+    # What the adaptive policy learns while serving (costs, drafter calibration).
+    adaptive: AdaptiveState = field(default_factory=AdaptiveState)
     restore_torch_threads: int | None = None  # torch's thread count before we set ours
 
     @property

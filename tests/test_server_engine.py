@@ -137,8 +137,13 @@ def test_completions_greedy_equal_generate(client, reference, ddtree):
             "mean_acceptance_length",
             "upstream_calls",
             "verify_prompt_tokens",
+            "plain_tokens",
+            "plain_calls",
+            "switches_to_plain",
+            "switches_to_speculation",
         }
         assert stats["upstream_calls"] == 0  # engine mode: no upstream
+        assert stats["plain_tokens"] == 0  # engine mode: nothing to stream from
         if ddtree["kind"] == "none":
             assert stats["rounds"] == len(expected) and stats["mean_acceptance_length"] == 1
         else:  # the drafter is the target: deep paths are accepted
@@ -175,13 +180,16 @@ def test_chat_greedy_equals_generate(client, reference):
 
 
 def test_completions_stream_equals_non_stream(client):
+    # A fixed budget, so that both requests verify the same trees (the adaptive policy
+    # learns between them).
+    extra = {"return_token_ids": True, "ddtree": {"policy": "fixed"}}
     for prompt in PROMPTS[:3]:
         kwargs = dict(model=MODEL_NAME, prompt=prompt, max_tokens=24, temperature=0)
-        whole = client.completions.create(**kwargs, extra_body={"return_token_ids": True})
+        whole = client.completions.create(**kwargs, extra_body=extra)
         chunks = list(
             client.completions.create(
                 **kwargs, stream=True, stream_options={"include_usage": True},
-                extra_body={"return_token_ids": True},
+                extra_body=extra,
             )
         )  # fmt: skip
         *content, usage_chunk = chunks
@@ -204,8 +212,9 @@ def test_completions_stream_equals_non_stream(client):
 def test_chat_stream_equals_non_stream(client):
     messages = [{"role": "user", "content": "Write a loop."}]
     kwargs = dict(model=MODEL_NAME, messages=messages, max_tokens=24, temperature=0)
-    whole = client.chat.completions.create(**kwargs)
-    chunks = list(client.chat.completions.create(**kwargs, stream=True))
+    fixed = {"ddtree": {"policy": "fixed"}}  # the same trees for both requests
+    whole = client.chat.completions.create(**kwargs, extra_body=fixed)
+    chunks = list(client.chat.completions.create(**kwargs, stream=True, extra_body=fixed))
     assert chunks[0].choices[0].delta.role == "assistant"
     assert all(c.object == "chat.completion.chunk" and c.id == chunks[0].id for c in chunks)
     text = "".join(c.choices[0].delta.content or "" for c in chunks)

@@ -127,7 +127,8 @@ def server(upstream, target_dirs):
         target_url=UPSTREAM,
         tokenizer=str(target_dirs["t2x64"]),  # EOS ids and local (de)tokenization
         drafter="ngram",
-        tree=TreeSettings(budget=4, depth=3),
+        # The mock answers verification calls only (no plain streams): a fixed budget.
+        tree=TreeSettings(budget=4, depth=3, policy="fixed"),
         read_timeout=5,
     )
     with BackgroundServer(create_app(settings, transport=upstream.transport)) as background:

@@ -298,9 +298,10 @@ def test_unseeded_sampling_distribution_matches_vllm(vllm_server, proxies, token
     prompt = tokenizer("def f(x):\n    return")["input_ids"]
     body = {"model": vllm_server.model, "prompt": prompt, "max_tokens": 2, "temperature": 0.3,
             "ignore_eos": True, "return_token_ids": True}  # fmt: skip
-    proxy_answers = post_all(
-        proxies["autoregressive"], [body | {"ddtree": {"budget": 4}}] * num_samples, concurrency=16
-    )
+    # A fixed budget: the draws under test are the tree nodes' (the adaptive policy may
+    # serve a 2-token request plainly; tests/test_adaptive_vllm.py covers switching).
+    tree = {"ddtree": {"budget": 4, "policy": "fixed"}}
+    proxy_answers = post_all(proxies["autoregressive"], [body | tree] * num_samples, concurrency=16)
     proxy_pairs = [tuple(a["choices"][0]["token_ids"]) for a in proxy_answers]
     direct = httpx.post(
         vllm_server.url + "/v1/completions",

@@ -123,3 +123,19 @@ def test_bad_arguments(budget, depth, message):
     dist = _dist(np.log(np.full((2, 2), 0.5)))
     with pytest.raises(ValueError, match=message):
         build_tree(0, dist, budget, depth)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_prefix_of_a_best_first_tree_is_the_smaller_budget_tree(seed):
+    rng = np.random.default_rng(seed)
+    logits = rng.normal(size=(6, 40))
+    log_probs = logits - np.log(np.exp(logits).sum(axis=1, keepdims=True))
+    order = np.argsort(-log_probs, axis=1)[:, :32]
+    dist = DraftDistribution(order.astype(np.int64), np.take_along_axis(log_probs, order, 1))
+    full = build_tree(3, dist, 32, 6)
+    for budget in (1, 2, 5, 17, 32):
+        small = build_tree(3, DraftDistribution(dist.token_ids[:, :budget], dist.log_probs[:, :budget]), budget, 6)
+        prefix = full.prefix(budget)
+        for field in ("token_ids", "depths", "parents", "path_log_probs"):
+            assert np.array_equal(getattr(prefix, field), getattr(small, field)), field
+        assert prefix.children == small.children

@@ -102,6 +102,10 @@ class TargetSession(Protocol):
 
     async def aclose(self) -> None: ...
 
+    # Targets with `can_stream` also give sessions
+    #   plain(committed, max_tokens) -> AsyncIterator[(token ids, log-probs or None)]:
+    # the target's own decoding after `committed`, streamed, EOS ignored.
+
 
 class Target(Protocol):
     name: str
@@ -109,6 +113,7 @@ class Target(Protocol):
     max_model_len: int  # longest sequence (prompt + output) the target accepts
     eos_token_ids: tuple[int, ...]
     strategies: tuple[str, ...]  # verification strategies it offers; () = just one way
+    can_stream: bool  # sessions can generate plainly (see TargetSession)
 
     def check_options(self, options: SessionOptions) -> None:
         """Raise ValueError naming the problem if `start` would refuse these options."""

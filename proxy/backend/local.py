@@ -60,6 +60,7 @@ class LocalTarget:
 
     label = "engine"
     strategies: tuple[str, ...] = ()  # one forward pass verifies the whole tree
+    can_stream = False  # plain decoding here is a round of the root alone
 
     def __init__(self, model: torch.nn.Module, name: str):
         self.model = model

@@ -31,7 +31,7 @@ import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Literal, Sequence, get_args
+from typing import Any, AsyncIterator, Callable, Literal, Sequence, get_args
 
 import httpx
 import numpy as np
@@ -163,6 +163,48 @@ class VLLMHttp:
         except httpx.HTTPError as exc:
             raise transport_failure(f"vLLM {method} {self.base_url}{path}", exc) from exc
 
+    async def stream_events(self, path: str, body: Any) -> AsyncIterator[Any]:
+        """POST a streaming request; yield each server-sent event's JSON until [DONE].
+        Opening the stream is retried like `request_json`; a failure after the first
+        event is raised as it is (the caller holds what already arrived)."""
+        where = f"vLLM POST {self.base_url}{path}"
+        attempts = self.retry.max_retries + 1
+        for attempt in range(attempts):
+            try:
+                response = await self.open_stream(
+                    "POST", path, json.dumps(body).encode(), {"content-type": "application/json"}
+                )
+                if response.status_code != 200:
+                    text = (await response.aread()).decode(errors="replace")
+                    await response.aclose()
+                    raise TargetError(
+                        f"{where} returned HTTP {response.status_code}: {text[:500]}",
+                        "http",
+                        response.status_code,
+                    )
+                break
+            except TargetError as exc:
+                if attempt + 1 == attempts or not exc.retriable:
+                    raise
+                if self.on_retry is not None:
+                    self.on_retry(exc.kind)
+                await asyncio.sleep(self.retry.delay(attempt, self._rng))
+        try:
+            async for line in response.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[len("data: ") :]
+                if data == "[DONE]":
+                    return
+                try:
+                    yield json.loads(data)
+                except json.JSONDecodeError as exc:
+                    raise TargetError(f"{where} sent malformed JSON: {data[:200]!r}") from exc
+        except httpx.HTTPError as exc:
+            raise transport_failure(where, exc) from exc
+        finally:
+            await response.aclose()
+
     async def health(self) -> tuple[bool, dict[str, Any]]:
         try:
             # Short: /health must turn unhealthy within seconds of the upstream dying.
@@ -235,6 +277,7 @@ class VLLMTarget:
 
     label = "proxy"
     strategies = STRATEGIES
+    can_stream = True  # sessions offer `plain`: vLLM's own decoding, streamed
 
     def __init__(
         self,
@@ -421,18 +464,12 @@ class VLLMSession:
         assert (tokens >= 0).all()
         return Verification(tokens=tokens, logprobs=logprobs if self.want_logprobs else None)
 
-    async def _complete(
-        self,
-        prompts: list[list[int]],
-        seed: int | None = None,
-        prompt_logprobs: bool = False,
-    ) -> list[_Choice]:
-        """One batched /v1/completions call, max_tokens=1; choices in prompt order."""
+    def _body(self, prompt: Any, max_tokens: int) -> dict[str, Any]:
         params = self.params
         body: dict[str, Any] = {
             "model": self.target.name,
-            "prompt": prompts,
-            "max_tokens": 1,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
             "return_token_ids": True,
             "temperature": params.temperature,
             "top_p": params.top_p,
@@ -449,12 +486,23 @@ class VLLMSession:
         if self.stop_token_ids:
             # Harmless for one token (a stop token still comes back in token_ids), and
             # vLLM then refuses out-of-vocabulary ids as it would the client's request,
-            # before the proxy has answered anything.
+            # before the proxy has answered anything. A plain stream ends at one, as the
+            # output processor does.
             body["stop_token_ids"] = self.stop_token_ids
-        if seed is not None:
-            body["seed"] = seed
         if self.want_logprobs:
             body["logprobs"] = 1
+        return body
+
+    async def _complete(
+        self,
+        prompts: list[list[int]],
+        seed: int | None = None,
+        prompt_logprobs: bool = False,
+    ) -> list[_Choice]:
+        """One batched /v1/completions call, max_tokens=1; choices in prompt order."""
+        body = self._body(prompts, 1)
+        if seed is not None:
+            body["seed"] = seed
         if prompt_logprobs:
             body["prompt_logprobs"] = 1
         counters = self.counters
@@ -465,6 +513,33 @@ class VLLMSession:
 
     async def accept(self, tree: DraftTree, result: WalkResult) -> None:
         return None  # no features over HTTP; vLLM's prefix cache keeps the context
+
+    async def plain(
+        self, committed: Sequence[int], max_tokens: int
+    ) -> AsyncIterator[tuple[list[int], list[float] | None]]:
+        """Plain generation: vLLM's own decoding of up to `max_tokens` tokens after
+        `committed`, streamed; yields (token ids, their log-probs or None) as they come.
+        Closing the iterator early closes the stream, and vLLM aborts the request.
+        EOS is ignored here: the output processor decides where the output stops. The
+        client's seed is vLLM's own, so a request that is plain from its first token
+        draws exactly what vLLM alone would."""
+        body = self._body([int(t) for t in committed], max_tokens)
+        body["stream"] = True
+        if self.params.seed is not None:
+            body["seed"] = self.params.seed
+        self.counters.upstream_calls += 1
+        self.counters.verify_prompt_tokens += len(committed)
+        async for event in self.target.http.stream_events("/v1/completions", body):
+            try:
+                (choice,) = event["choices"]
+                tokens = [int(t) for t in choice.get("token_ids") or []]
+                logprobs = None
+                if self.want_logprobs and tokens:
+                    logprobs = [float(lp) for lp in choice["logprobs"]["token_logprobs"]]
+            except (KeyError, TypeError, ValueError) as exc:
+                raise TargetError(f"unexpected stream chunk from vLLM: {event!r:.300}") from exc
+            if tokens:
+                yield tokens, logprobs
 
     async def aclose(self) -> None:
         return None  # the pooled client belongs to the target

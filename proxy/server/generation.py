@@ -50,18 +50,14 @@ class Responder:
             runtime.drafter,
             plan.generation,
             runtime.detokenizer(plan.skip_special_tokens),
+            runtime.adaptive,
         )
         try:
             async for delta in generation:
                 done = delta.round
                 assert done is not None
                 stats.add(done)
-                metrics.rounds.inc()
-                metrics.acceptance_length.observe(done.acceptance_length)
-                metrics.draft_seconds.observe(done.draft_s + done.tree_s)
-                metrics.verify_seconds.observe(done.verify_s)
-                metrics.upstream_calls.inc(done.upstream_calls)
-                metrics.generated_tokens.inc(len(delta.token_ids))
+                metrics.observe(done, len(delta.token_ids))
                 yield delta
         finally:
             await generation.aclose()

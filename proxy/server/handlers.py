@@ -234,6 +234,8 @@ class Handlers:
         return JSONResponse(body, status_code=200 if healthy else 503)
 
     def metrics_text(self) -> Response:
+        if self._runtime is not None:
+            self.metrics.set_costs(self._runtime.adaptive.costs.snapshot())
         return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 

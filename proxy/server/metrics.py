@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from proxy.adaptive.costs import CostSnapshot
+from proxy.round import RoundStats
+
 _LATENCY_BUCKETS = (
     0.0005,
     0.001,
@@ -95,9 +98,58 @@ class ServerMetrics:
             "ddtree_client_disconnects",
             "Streams whose client went away before the end (generation stopped)",
         )
+        self.plain_tokens = _counter(
+            registry,
+            "ddtree_plain_tokens",
+            "Tokens from plain generation: the adaptive policy's fallback to the target alone",
+        )
+        self.plain_streams = _counter(
+            registry, "ddtree_plain_streams", "Plain-generation streams opened upstream"
+        )
+        self.switches = _counter(
+            registry,
+            "ddtree_policy_switches",
+            "Adaptive policy switches, by direction (to_plain, to_speculation)",
+            "direction",
+        )
+        self.tree_nodes = Histogram(
+            "ddtree_tree_nodes",
+            "Per round: tree nodes verified (the adaptive policy's choice, up to the budget)",
+            buckets=(0, 1, 2, 4, 8, 16, 32, 64, 128, 256),
+            registry=registry,
+        )
+        self.cost = Gauge(
+            "ddtree_cost_model",
+            "The online cost model: verification call = per_call_s + per_prompt_s * prompts "
+            "+ per_token_s * new tokens; plain generation = plain_first_token_s + "
+            "plain_token_s per later token; round_overhead_s = drafting + tree building",
+            ["parameter"],
+            registry=registry,
+        )
         self.active = Gauge(
             "ddtree_active_requests", "Generation requests being served", registry=registry
         )
         self.queued = Gauge(
             "ddtree_queued_requests", "Generation requests waiting for a slot", registry=registry
         )
+
+    def observe(self, stats: RoundStats, num_tokens: int) -> None:
+        """One step of a generation: a verified round, or a piece of plain generation."""
+        self.generated_tokens.inc(num_tokens)
+        self.switches.labels("to_plain").inc(stats.switches_to_plain)
+        self.switches.labels("to_speculation").inc(stats.switches_to_speculation)
+        if stats.kind == "plain":
+            self.plain_tokens.inc(stats.acceptance_length)
+            self.plain_streams.inc(stats.upstream_calls)
+            return
+        self.upstream_calls.inc(stats.upstream_calls)
+        self.rounds.inc()
+        self.acceptance_length.observe(stats.acceptance_length)
+        self.tree_nodes.observe(stats.num_nodes)
+        self.draft_seconds.observe(stats.draft_s + stats.tree_s)
+        self.verify_seconds.observe(stats.verify_s)
+
+    def set_costs(self, costs: CostSnapshot) -> None:
+        for name, value in vars(costs).items():
+            if value is not None:
+                self.cost.labels(name).set(value)

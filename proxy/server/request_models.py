@@ -22,7 +22,7 @@ import pydantic
 from pydantic import BaseModel, ConfigDict, Field
 
 from proxy.backend.vllm import Strategy
-from proxy.decoding import TreeKind
+from proxy.decoding import BudgetPolicy, TreeKind
 from proxy.server.errors import RequestError
 
 Endpoint = Literal["completions", "chat"]
@@ -39,6 +39,9 @@ class DDTreeOptions(BaseModel):
     budget: int | None = Field(None, description="tree nodes per round")
     depth: int | None = Field(None, description="levels per round")
     strategy: Strategy | None = Field(None, description="proxy verification")
+    policy: BudgetPolicy | None = Field(
+        None, description="adaptive: budget is the upper bound; fixed: always the budget"
+    )
 
 
 class StreamOptions(BaseModel):

