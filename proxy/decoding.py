@@ -78,6 +78,8 @@ class GenerationStats:
     verify_s: float = 0.0
     upstream_calls: int = 0
     verify_prompt_tokens: int = 0
+    draft_calls: int = 0  # calls to a draft server (served drafters)
+    draft_failures: int = 0  # rounds that went on without a draft (DraftError)
 
     def add(self, stats: RoundStats) -> None:
         self.rounds += 1
@@ -88,6 +90,8 @@ class GenerationStats:
         self.verify_s += stats.verify_s
         self.upstream_calls += stats.upstream_calls
         self.verify_prompt_tokens += stats.verify_prompt_tokens
+        self.draft_calls += stats.draft_calls
+        self.draft_failures += stats.draft_error is not None
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -106,6 +110,8 @@ class GenerationStats:
             "verify_s": round(self.verify_s, 6),
             "upstream_calls": self.upstream_calls,
             "verify_prompt_tokens": self.verify_prompt_tokens,
+            "draft_calls": self.draft_calls,
+            "draft_failures": self.draft_failures,
         }
 
 

@@ -30,6 +30,8 @@ def ddtree_usage(stats: GenerationStats) -> dict[str, Any]:
         "mean_acceptance_length": round(stats.mean_acceptance_length, 4),
         "upstream_calls": stats.upstream_calls,
         "verify_prompt_tokens": stats.verify_prompt_tokens,
+        "draft_calls": stats.draft_calls,
+        "draft_failures": stats.draft_failures,
     }
 
 
