@@ -32,7 +32,7 @@ from proxy.runtime import load_engine
 
 WARMUP_TOKENS = 8  # untimed tokens on the first prompt before each configuration
 SERVED_DRAFTERS = {"vllm": "overlap=0", "vllm+overlap": "overlap=1"}  # name -> options
-DRAFT_MAX_LOGPROBS = 128  # the draft server's --max-logprobs: top-k for budgets up to it
+DRAFT_MAX_LOGPROBS = 64  # the draft server's --max-logprobs (as in the demo and compose)
 
 
 @dataclass(frozen=True)

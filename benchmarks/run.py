@@ -78,7 +78,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--draft-vllm-url",
-        help="use this running vLLM (serving --ar-dir, --max-logprobs >= 128) as the draft server",
+        help="use this running vLLM (serving --ar-dir, --max-logprobs >= 64) as the draft server",
     )
     parser.add_argument("--target-dir", type=Path, default=DEFAULT_TARGET_DIR)
     parser.add_argument("--dflash-dir", type=Path, default=DEFAULT_DFLASH_DIR)

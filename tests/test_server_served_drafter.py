@@ -45,16 +45,16 @@ def draft_server(vllm_server, tmp_path_factory):
     from vllm_server import VLLMServer, start_server, stop_server
 
     reuse = os.environ.get("DDTREE_TEST_DRAFT_VLLM")
-    if reuse:
+    if reuse:  # yours to stop (the kill test does, for real)
         url, pid = reuse.split(",")
-        server = VLLMServer(url=url, model_dir=vllm_server.model_dir, pid=int(pid),
-                            log_path=Path(os.devnull))  # fmt: skip
-    else:
-        server = start_server(
-            vllm_server.model_dir,
-            tmp_path_factory.mktemp("draft-vllm") / "vllm.log",
-            extra_args=("--enforce-eager", "--max-logprobs", str(MAX_LOGPROBS)),
-        )
+        yield VLLMServer(url=url, model_dir=vllm_server.model_dir, pid=int(pid),
+                         log_path=Path(os.devnull))  # fmt: skip
+        return
+    server = start_server(
+        vllm_server.model_dir,
+        tmp_path_factory.mktemp("draft-vllm") / "vllm.log",
+        extra_args=("--enforce-eager", "--max-logprobs", str(MAX_LOGPROBS)),
+    )
     try:
         yield server
     finally:
@@ -109,8 +109,10 @@ def test_draft_calls_in_metrics_and_health(served_proxy, vllm_server, prompts):
     calls, rounds = total("ddtree_draft_calls_total"), total("ddtree_rounds_total")
     (answer,) = post_all(served_proxy, [_completion(vllm_server.model, prompts[3])])
     stats = answer["usage"]["ddtree"]
-    assert total("ddtree_draft_calls_total") - calls == stats["draft_calls"] == stats["rounds"]
+    assert total("ddtree_draft_calls_total") - calls == stats["draft_calls"]
     assert total("ddtree_rounds_total") - rounds == stats["rounds"]
+    # One call per round; the last round drafts nothing when one token is left.
+    assert stats["rounds"] - 1 <= stats["draft_calls"] <= stats["rounds"]
     health = httpx.get(served_proxy + "/health", timeout=30)
     assert health.status_code == 200
     drafter = health.json()["drafter"]
@@ -166,7 +168,8 @@ def test_slow_draft_server_falls_back(vllm_server, draft_server, prompts, greedy
     assert [a["choices"][0]["token_ids"] for a in answers] == [greedy_reference[i] for i in chosen]
     for answer in answers:
         stats = answer["usage"]["ddtree"]
-        assert stats["draft_failures"] == stats["rounds"] > 1
+        assert stats["draft_calls"] < stats["rounds"]  # backing off after a timeout
+        assert stats["draft_failures"] >= stats["rounds"] - 1 > 1  # (last round: no draft)
         assert stats["mean_acceptance_length"] == 1.0
     assert 'ddtree_draft_failures_total{kind="timeout"}' in metrics
     assert health.status_code == 200 and health.json()["drafter"]["failures"]["timeout"] >= 1
@@ -196,9 +199,9 @@ def test_draft_server_killed_mid_request(vllm_server, draft_server, served_proxy
     the module's draft server is gone afterwards."""
     prompt = [5, 17, 3, 99, 42]
     max_tokens = 300
-    body = _completion(vllm_server.model, prompt, max_tokens=max_tokens, ignore_eos=True,
-                       stream=True, stream_options={"include_usage": True})  # fmt: skip
-    (direct,) = post_all(vllm_server.url, [{**body, "stream": False, "stream_options": None}])
+    plain = _completion(vllm_server.model, prompt, max_tokens=max_tokens, ignore_eos=True)
+    body = plain | {"stream": True, "stream_options": {"include_usage": True}}
+    (direct,) = post_all(vllm_server.url, [plain])
     want = direct["choices"][0]["token_ids"]
     token_ids, usage, finish, killed_after = [], None, None, None
     with httpx.stream("POST", served_proxy + "/v1/completions", json=body, timeout=300) as resp:
@@ -228,5 +231,5 @@ def test_draft_server_killed_mid_request(vllm_server, draft_server, served_proxy
                 if line.startswith("ddtree_draft_failures_total{")]  # fmt: skip
     assert sum(float(line.split()[-1]) for line in failures) >= 1
     # And the next request is served as before, without a drafter.
-    (after,) = post_all(served_proxy, [{**body, "stream": False, "stream_options": None}])
+    (after,) = post_all(served_proxy, [plain])
     assert after["choices"][0]["token_ids"] == want

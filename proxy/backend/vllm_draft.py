@@ -72,7 +72,8 @@ class VLLMDraftServer:
         timeout_s bounds each draft call; startup_timeout_s every other call."""
         http = VLLMHttp(
             url,
-            connect_timeout=min(timeout_s, 5.0),
+            # Draft calls are bounded by asyncio.timeout(timeout_s) in greedy_topk.
+            connect_timeout=min(startup_timeout_s, 5.0),
             read_timeout=startup_timeout_s,
             retry=RetryPolicy(max_retries=0),
             transport=transport,
