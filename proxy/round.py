@@ -16,7 +16,7 @@ from typing import Literal
 import numpy as np
 
 from proxy.backend.base import TargetSession
-from proxy.drafter.base import DraftError, DraftSession, draft, draft_calls
+from proxy.drafter.base import AsyncDraftSession, DraftError, DraftSession, draft, draft_calls
 from proxy.tree import DraftTree, build_chain, build_tree, walk
 
 
@@ -61,7 +61,7 @@ def root_only(root_token: int) -> DraftTree:
 
 async def speculate(
     session: TargetSession,
-    draft_session: DraftSession | None,
+    draft_session: DraftSession | AsyncDraftSession | None,
     committed: list[int],
     shape: RoundShape,
 ) -> Round:

@@ -74,6 +74,20 @@ class DraftSession(Protocol):
         ...
 
 
+class AsyncDraftSession(Protocol):
+    """A session whose drafts wait on I/O (a draft server): `apropose` runs in the event
+    loop. Same contract as `DraftSession.propose`, plus `DraftError` when the draft
+    cannot be had this round; `draft_calls` counts its calls to the server."""
+
+    draft_calls: int
+
+    async def apropose(
+        self, committed: Sequence[int], depth: int, top_k: int
+    ) -> DraftDistribution: ...
+
+    def advance(self, committed: Sequence[int], target_features: torch.Tensor | None) -> None: ...
+
+
 class Drafter(Protocol):
     name: str
     # Largest depth the drafter can propose in one call; None = no limit.
@@ -88,7 +102,7 @@ class Drafter(Protocol):
 
     def start(
         self, prompt_ids: Sequence[int], prompt_features: torch.Tensor | None
-    ) -> DraftSession:
+    ) -> DraftSession | AsyncDraftSession:
         """A session for one request. prompt_features: [len(prompt_ids) - 1, F] or None."""
         ...
 
@@ -111,7 +125,7 @@ class ServedDrafter(Protocol):
 
 
 async def draft(
-    session: DraftSession, committed: Sequence[int], depth: int, top_k: int
+    session: DraftSession | AsyncDraftSession, committed: Sequence[int], depth: int, top_k: int
 ) -> DraftDistribution:
     """The session's proposal: `apropose` awaited in the loop if it has one, else
     `propose` in a worker thread (a model drafter computes for milliseconds)."""
@@ -121,6 +135,6 @@ async def draft(
     return await asyncio.to_thread(session.propose, committed, depth, top_k)
 
 
-def draft_calls(session: DraftSession | None) -> int:
+def draft_calls(session: DraftSession | AsyncDraftSession | None) -> int:
     """Calls the session has made to a draft server so far (0 for in-process drafters)."""
     return int(getattr(session, "draft_calls", 0))
