@@ -1,15 +1,20 @@
-"""The served drafter's pieces that need no server: its options, and how a vLLM
-completion answer becomes a draft (literal answers in vLLM 0.32's shape)."""
+"""The served drafter's pieces that need no server: its options, how a vLLM completion
+answer becomes a draft (literal answers in vLLM 0.32's shape), and what a round does
+when a drafter fails (engine mode, a real random-weight target)."""
 
 from __future__ import annotations
+
+import asyncio
 
 import numpy as np
 import pytest
 
 from proxy.backend.base import TargetError
 from proxy.backend.vllm_draft import parse_greedy_draft
-from proxy.drafter import parse_drafter_spec
+from proxy.decoding import GenerationRequest, TreeSettings, generate
+from proxy.drafter import DraftError, parse_drafter_spec
 from proxy.drafter.served import ServedOptions
+from proxy.runtime import load_engine
 
 
 def test_options_parse():
@@ -68,3 +73,44 @@ def test_parse_sorts_pads_and_maps_vllm_minus_inf():
 def test_parse_refuses_answers_that_do_not_fit(answer):
     with pytest.raises(TargetError):
         parse_greedy_draft(answer, max_tokens=2, top_k=2)
+
+
+class _DownSession:
+    """A session whose draft server is never reachable."""
+
+    draft_calls = 0
+
+    async def apropose(self, committed, depth, top_k):
+        self.draft_calls += 1
+        raise DraftError("draft server down", "connect")
+
+    def advance(self, committed, target_features) -> None:
+        return None
+
+
+class _DownDrafter:
+    name = "down"
+    max_depth = None
+    target_layer_ids = None
+
+    def start(self, prompt_ids, prompt_features):
+        return _DownSession()
+
+
+def test_rounds_go_on_without_a_draft_when_the_drafter_fails(target_dirs):
+    """DraftError is the drafter's fault: each round verifies the root alone (plain
+    decoding), the output equals decoding without a drafter, and the stats say so."""
+    runtime = load_engine(target_dirs["t2x64"], None)
+    prompt = [3, 14, 15, 92, 65]
+
+    def run_with(drafter, kind):
+        request = GenerationRequest(prompt, max_tokens=12, ignore_eos=True,
+                                    tree=TreeSettings(kind=kind))  # fmt: skip
+        return asyncio.run(generate(runtime.target, drafter, request, runtime.detokenizer()))
+
+    plain = run_with(None, "none")
+    failed = run_with(_DownDrafter(), "ddtree")
+    assert failed.token_ids == plain.token_ids
+    stats = failed.stats
+    assert stats.rounds == 12 and stats.draft_failures == 11  # the last round drafts nothing
+    assert stats.draft_calls == 11 and stats.mean_acceptance_length == 1.0
