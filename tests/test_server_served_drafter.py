@@ -120,7 +120,7 @@ def test_draft_calls_in_metrics_and_health(served_proxy, vllm_server, prompts):
     assert drafter["server"]["status_code"] == 200
 
 
-def test_overlap_is_lossless_and_saves_calls(vllm_server, draft_server, prompts, greedy_reference):
+def test_overlap_is_lossless(vllm_server, draft_server, prompts, greedy_reference):
     settings = _settings(vllm_server, draft_server, overlap=1)
     chosen = list(range(0, len(prompts), 3))
     with BackgroundServer(create_app(settings)) as proxy:
@@ -128,9 +128,10 @@ def test_overlap_is_lossless_and_saves_calls(vllm_server, draft_server, prompts,
             proxy.url, [_completion(vllm_server.model, prompts[idx]) for idx in chosen]
         )
     assert [a["choices"][0]["token_ids"] for a in answers] == [greedy_reference[i] for i in chosen]
+    # At most one call on the round's path plus one overlapped call per round.
     rounds = sum(a["usage"]["ddtree"]["rounds"] for a in answers)
     calls = sum(a["usage"]["ddtree"]["draft_calls"] for a in answers)
-    assert calls <= 2 * rounds
+    assert rounds < calls <= 2 * rounds
 
 
 def test_seeded_sampling_identical_across_budgets(vllm_server, served_proxy, prompts):
