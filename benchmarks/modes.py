@@ -2,7 +2,10 @@
 
 Engine mode: the target in-process (proxy.runtime.load_engine), DFlash drafting. Proxy mode:
 the same decoding loop verifying against a real vLLM server over HTTP (VLLMTarget),
-with the n-gram and autoregressive drafters, plus direct vLLM as the baseline.
+with the n-gram and autoregressive drafters, plus direct vLLM as the baseline. The
+served drafters `vllm` and `vllm+overlap` put the autoregressive drafter's model files on
+a second vLLM (`--drafter vllm:URL`; `+overlap`: the next round drafted while the tree is
+verified), in the same run as the in-process drafter on the same files.
 """
 
 from __future__ import annotations
@@ -21,12 +24,15 @@ from transformers import AutoConfig, AutoTokenizer
 from benchmarks import cost_model, upstream
 from benchmarks.harness import Measurement, count_mismatches, measure, output_digest
 from proxy.backend.vllm import VLLMTarget
+from proxy.backend.vllm_tokens import VLLMTokens
 from proxy.decoding import TreeSettings, resolve_depth
 from proxy.drafter import load_drafter
 from proxy.drafter.base import TargetInfo
 from proxy.runtime import load_engine
 
 WARMUP_TOKENS = 8  # untimed tokens on the first prompt before each configuration
+SERVED_DRAFTERS = {"vllm": "overlap=0", "vllm+overlap": "overlap=1"}  # name -> options
+DRAFT_MAX_LOGPROBS = 64  # the draft server's --max-logprobs (as in the demo and compose)
 
 
 @dataclass(frozen=True)
@@ -100,6 +106,9 @@ def make_row(
         "tree_ms_per_round": 1e3 * tree_s / rounds,
         "verify_ms_per_round": 1e3 * verify_s / rounds,
         "loop_ms_per_round": 1e3 * max(m.wall_s - draft_s - tree_s - verify_s, 0.0) / rounds,
+        # Served drafters: calls to the draft server per round, rounds left without a draft.
+        "draft_calls_per_round": sum(s.draft_calls for s in m.stats) / rounds,
+        "draft_failures": sum(s.draft_failures for s in m.stats),
     }
     if proxy:
         arrays = m.rounds.arrays()
@@ -236,11 +245,18 @@ async def run_proxy_configs(args, server: upstream.Upstream, prompts, direct: Me
         model_dir=args.target_dir,
         model=None,
     )
-    drafters = {
-        name: load_drafter(name if name != "autoregressive" else f"{name}:{args.ar_dir}", info)
-        for name in args.proxy_drafters
-    }
     target = await VLLMTarget.connect(server.url, server.model, model_dir=args.target_dir)
+    drafters = {}
+    for name in args.proxy_drafters:
+        if name in SERVED_DRAFTERS:
+            # Long timeout: a draft that times out would go plain and skew tau.
+            spec = f"vllm:{args.draft_vllm_url},top_k={DRAFT_MAX_LOGPROBS},timeout=60"
+            drafters[name] = load_drafter(f"{spec},{SERVED_DRAFTERS[name]}", info)
+            await drafters[name].connect(VLLMTokens.of(target))
+        elif name == "autoregressive":
+            drafters[name] = load_drafter(f"{name}:{args.ar_dir}", info)
+        else:
+            drafters[name] = load_drafter(name, info)
     rows, rounds = [], {}
     try:
         for cfg in proxy_configs(args):
@@ -269,6 +285,9 @@ async def run_proxy_configs(args, server: upstream.Upstream, prompts, direct: Me
             bar.update(1)
     finally:
         await target.aclose()
+        for drafter in drafters.values():
+            if hasattr(drafter, "aclose"):
+                await drafter.aclose()
     return rows, rounds
 
 
@@ -287,6 +306,21 @@ def run_proxy(args, prompts, bar, log_dir: Path):
         server = upstream.start(
             args.target_dir, log_dir / "vllm.log", min(max_model_len, 4096), args.vllm_block_size
         )
+    draft_server = None
+    if any(name in SERVED_DRAFTERS for name in args.proxy_drafters) and not args.draft_vllm_url:
+        bar.set_description("starting the draft vLLM")
+        try:
+            draft_server = upstream.start(
+                args.ar_dir,
+                log_dir / "draft-vllm.log",
+                min(max_model_len, 4096),
+                args.vllm_block_size,
+                extra_args=("--max-logprobs", str(DRAFT_MAX_LOGPROBS)),
+            )
+        except BaseException:
+            server.stop()
+            raise
+        args.draft_vllm_url = draft_server.url
     try:
         direct_row, direct_outputs = measure_direct(server, prompts, args.max_tokens, bar)
         direct = Measurement(
@@ -295,6 +329,8 @@ def run_proxy(args, prompts, bar, log_dir: Path):
         rows, rounds = asyncio.run(run_proxy_configs(args, server, prompts, direct, bar))
     finally:
         server.stop()
+        if draft_server is not None:
+            draft_server.stop()
     info = {
         "url": server.url if args.vllm_url else "started by the benchmark",
         "version": upstream.vllm_version(),

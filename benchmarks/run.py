@@ -70,7 +70,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="skip `paths` above this budget (its rounds recompute the whole context per leaf)",
     )
     parser.add_argument("--strategies", default="nodes,paths", help="proxy verification strategies")
-    parser.add_argument("--proxy-drafters", default="ngram,autoregressive")
+    parser.add_argument(
+        "--proxy-drafters",
+        default="ngram,autoregressive",
+        help="any of ngram, autoregressive, vllm, vllm+overlap (the last two: the --ar-dir "
+        "model on a second vLLM the command starts, or --draft-vllm-url)",
+    )
+    parser.add_argument(
+        "--draft-vllm-url",
+        help="use this running vLLM (serving --ar-dir, --max-logprobs >= 64) as the draft server",
+    )
     parser.add_argument("--target-dir", type=Path, default=DEFAULT_TARGET_DIR)
     parser.add_argument("--dflash-dir", type=Path, default=DEFAULT_DFLASH_DIR)
     parser.add_argument(

@@ -10,7 +10,6 @@ knows nothing about HTTP or models: it sees a `Target` and a `Drafter`.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import functools
 import time
@@ -23,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from proxy.adaptive import AdaptiveState, Controller
 from proxy.adaptive.controller import SHADOW_EVERY
 from proxy.backend.base import SessionOptions, Target, TargetError, TargetSession
-from proxy.drafter.base import Drafter, DraftSession
+from proxy.drafter.base import AsyncDraftSession, Drafter, DraftError, DraftSession, draft
 from proxy.output import Delta, Detokenize, OutputProcessor
 from proxy.round import RoundShape, RoundStats, speculate
 from proxy.sampling import SamplingParams
@@ -95,6 +94,8 @@ class GenerationStats:
     plain_calls: int = 0  # plain streams opened (not counted in upstream_calls)
     switches_to_plain: int = 0
     switches_to_speculation: int = 0
+    draft_calls: int = 0  # calls to a draft server (served drafters)
+    draft_failures: int = 0  # rounds that went on without a draft (DraftError)
 
     def add(self, stats: RoundStats) -> None:
         self.verify_prompt_tokens += stats.verify_prompt_tokens
@@ -112,6 +113,8 @@ class GenerationStats:
         self.draft_s += stats.draft_s
         self.tree_s += stats.tree_s
         self.verify_s += stats.verify_s
+        self.draft_calls += stats.draft_calls
+        self.draft_failures += stats.draft_error is not None
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -134,6 +137,8 @@ class GenerationStats:
             "plain_calls": self.plain_calls,
             "switches_to_plain": self.switches_to_plain,
             "switches_to_speculation": self.switches_to_speculation,
+            "draft_calls": self.draft_calls,
+            "draft_failures": self.draft_failures,
         }
 
 
@@ -261,7 +266,7 @@ def _learn(controller: Controller, adaptive: AdaptiveState, done, new_tokens: in
 
 async def _plain_stream(
     session: TargetSession,
-    draft_session: DraftSession,
+    draft_session: DraftSession | AsyncDraftSession,
     committed: list[int],
     output: OutputProcessor,
     controller: Controller,
@@ -329,14 +334,17 @@ async def _plain_stream(
 
 
 async def _add_shadow(
-    draft_session: DraftSession,
+    draft_session: DraftSession | AsyncDraftSession,
     committed: list[int],
     controller: Controller,
     shape: RoundShape,
     new_tokens: int,
 ) -> None:
     top_k = 1 if shape.kind == "chain" else shape.budget
-    dist = await asyncio.to_thread(draft_session.propose, committed, shape.depth, top_k)
+    try:
+        dist = await draft(draft_session, committed, shape.depth, top_k)
+    except DraftError:
+        return  # no shadow this time: the drafter reports its own failures
     root = committed[-1]
     if shape.kind == "chain":
         tree = build_chain(root, dist, shape.depth)

@@ -2,12 +2,13 @@
 
 The terms (root, node, accepted tokens, bonus token, acceptance length) are defined in
 `proxy.tree.tree`. A round with depth 0 or no drafter verifies the root alone, which is
-one step of plain decoding through the same code.
+one step of plain decoding through the same code. So is a round whose drafter fails
+(`DraftError`: its server is down or slow): the draft is the drafter's business, the
+request goes on.
 """
 
 from __future__ import annotations
 
-import asyncio
 import time
 from dataclasses import dataclass
 from typing import Callable, Literal
@@ -15,7 +16,7 @@ from typing import Callable, Literal
 import numpy as np
 
 from proxy.backend.base import TargetSession
-from proxy.drafter.base import DraftSession
+from proxy.drafter.base import AsyncDraftSession, DraftError, DraftSession, draft, draft_calls
 from proxy.tree import DraftTree, build_chain, build_tree, walk
 
 
@@ -43,6 +44,8 @@ class RoundStats:
     # The adaptive policy's switches since the previous step.
     switches_to_plain: int = 0
     switches_to_speculation: int = 0
+    draft_calls: int = 0  # calls this round made to a draft server (served drafters)
+    draft_error: str | None = None  # DraftError kind when the round went on without a draft
 
 
 @dataclass(frozen=True)
@@ -66,7 +69,7 @@ def root_only(root_token: int) -> DraftTree:
 
 async def speculate(
     session: TargetSession,
-    draft_session: DraftSession | None,
+    draft_session: DraftSession | AsyncDraftSession | None,
     committed: list[int],
     shape: RoundShape,
     choose: Callable[[DraftTree], int] | None = None,
@@ -78,22 +81,26 @@ async def speculate(
     calls_before = session.counters.upstream_calls
     tokens_before = session.counters.verify_prompt_tokens
     root = committed[-1]
+    draft_calls_before = draft_calls(draft_session)
+    draft_error = None
     start = time.perf_counter()
     drafted = start
+    tree = root_only(root)
     if shape.depth >= 1 and draft_session is not None and shape.kind != "none":
         chain = shape.kind == "chain"
         top_k = 1 if chain else shape.budget
-        # A model drafter computes for milliseconds: keep the event loop free.
-        dist = await asyncio.to_thread(draft_session.propose, committed, shape.depth, top_k)
+        try:
+            dist = await draft(draft_session, committed, shape.depth, top_k)
+        except DraftError as exc:
+            draft_error = exc.kind  # plain decoding this round; the drafter reports it
         drafted = time.perf_counter()
-        if chain:
-            tree = build_chain(root, dist, shape.depth)
-        else:
-            tree = build_tree(root, dist, shape.budget, shape.depth)
-        if choose is not None:
-            tree = tree.prefix(choose(tree))
-    else:
-        tree = root_only(root)
+        if draft_error is None:
+            if chain:
+                tree = build_chain(root, dist, shape.depth)
+            else:
+                tree = build_tree(root, dist, shape.budget, shape.depth)
+            if choose is not None:
+                tree = tree.prefix(choose(tree))
     built = time.perf_counter()
 
     verification = await session.verify(committed, tree)
@@ -116,6 +123,8 @@ async def speculate(
         verify_s=verified - built,
         upstream_calls=session.counters.upstream_calls - calls_before,
         verify_prompt_tokens=session.counters.verify_prompt_tokens - tokens_before,
+        draft_calls=draft_calls(draft_session) - draft_calls_before,
+        draft_error=draft_error,
     )
     return Round(
         tokens=list(new_tokens),

@@ -5,7 +5,8 @@ Engine mode (no `target_url`): the local Transformers target, its tokenizer, the
 drafter (the shipped dflash by default). Proxy mode: a vLLM server over HTTP,
 tokenization through a local tokenizer (`--tokenizer`) or through vLLM's own
 /tokenize and /detokenize, and a drafter that needs no target hidden states (ngram by
-default, or autoregressive). torch and transformers are imported only on the paths
+default, autoregressive, or `vllm:URL`, a draft model on a second vLLM server).
+torch and transformers are imported only on the paths
 that need them, so proxy mode with ngram runs on a plain `pip install`.
 """
 
@@ -75,10 +76,18 @@ class Runtime:
         body["mode"] = self.target.label
         if details:
             body["upstream"] = details
+        drafter_health = getattr(self.drafter, "health", None)
+        if drafter_health is not None:
+            # A draft server's trouble degrades speed, never correctness: reported here,
+            # but the proxy stays healthy while its target is.
+            body["drafter"] = await drafter_health()
         return healthy, body
 
     async def aclose(self) -> None:
         await self.target.aclose()
+        drafter_close = getattr(self.drafter, "aclose", None)
+        if drafter_close is not None:
+            await drafter_close()
         if self.restore_torch_threads is not None:
             _torch().set_num_threads(self.restore_torch_threads)
             self.restore_torch_threads = None
@@ -164,6 +173,8 @@ def _build_engine(settings: RuntimeSettings) -> Runtime:
         raise ValueError("--strategy is for proxy mode (it says how vLLM verifies a tree)")
     target_dir = Path(settings.target or DEFAULT_TARGET_DIR)
     drafter_spec = None if settings.tree.kind == "none" else settings.drafter or DEFAULT_DRAFTER
+    if drafter_spec and parse_drafter_spec(drafter_spec)[0] == "vllm":
+        raise ValueError("the vllm drafter is for proxy mode (serve with --target-url)")
     runtime = load_engine(target_dir, drafter_spec, settings.device, settings.dtype)
     runtime.model_name = settings.model or runtime.model_name
     return runtime
@@ -174,8 +185,8 @@ def _check_proxy_drafter(spec: str) -> None:
     if name == "dflash":
         raise ValueError(
             "the dflash drafter needs the target's hidden states, which a vLLM server does "
-            "not expose over HTTP; use --drafter ngram or autoregressive:PATH in proxy mode, "
-            "or engine mode (serve without --target-url) for dflash"
+            "not expose over HTTP; use --drafter ngram, autoregressive:PATH or vllm:URL in "
+            "proxy mode, or engine mode (serve without --target-url) for dflash"
         )
 
 
@@ -215,6 +226,7 @@ async def _build_proxy(
                 f"copy of the model's tokenizer and config) ({exc})"
             ) from exc
         raise
+    drafter: Drafter | None = None
     try:
         model_dir = tokenizer_dir or _local_model_root(target)
         config = _read_config(model_dir)
@@ -228,7 +240,6 @@ async def _build_proxy(
             local = await asyncio.to_thread(AutoTokenizer.from_pretrained, str(tokenizer_dir))
             tokens = ServerChatTemplate(local, remote)
         vocab_size = int(config["vocab_size"]) if "vocab_size" in config else None
-        drafter = None
         if settings.tree.kind != "none":
             info = TargetInfo(
                 # Without a local config the bounds are unknown: 2**31 - 1 lets any
@@ -245,6 +256,9 @@ async def _build_proxy(
                     f"the {drafter.name} drafter needs target hidden states, which vLLM's "
                     "HTTP API cannot give; use engine mode for it"
                 )
+            connect = getattr(drafter, "connect", None)
+            if connect is not None:  # a served drafter: reach it, check its tokenizer
+                await connect(remote)
         return Runtime(
             target=target,
             drafter=drafter,
@@ -256,6 +270,9 @@ async def _build_proxy(
         )
     except BaseException:
         await target.aclose()
+        drafter_close = getattr(drafter, "aclose", None)
+        if drafter_close is not None:
+            await drafter_close()
         raise
 
 

@@ -54,7 +54,8 @@ def main() -> int:
     print(
         f"DDTree via proxy : {proxied_s:.2f} s, {num_tokens} tokens, "
         f"{ddtree.get('rounds')} rounds, mean acceptance length (tau) "
-        f"{ddtree.get('mean_acceptance_length')}, upstream calls {ddtree.get('upstream_calls')}"
+        f"{ddtree.get('mean_acceptance_length')}, upstream calls {ddtree.get('upstream_calls')}, "
+        f"draft-server calls {ddtree.get('draft_calls')}"
     )
     print(f"vLLM direct      : {direct_s:.2f} s")
     print(f"proxy / direct wall-clock: {proxied_s / direct_s:.2f}x  (CPU-only machine; see README)")

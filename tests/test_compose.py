@@ -1,6 +1,8 @@
-"""docker-compose.yml and the Dockerfile, checked without Docker: the services, images,
-ports, health checks and start order, and that the proxy's command line (with the
-environment compose gives it) parses with our real CLI parser into valid settings."""
+"""docker-compose.yml (+ docker-compose.gpu.yml) and the Dockerfile, checked without
+Docker: the three services (target vLLM, draft vLLM, proxy), images, ports, health
+checks and start order, and that the proxy's command line (with the environment compose
+gives it) parses with our real CLI parser into valid settings whose drafter is the draft
+vLLM. The GPU stack is the base file with the override merged as compose merges it."""
 
 from __future__ import annotations
 
@@ -13,11 +15,14 @@ import pytest
 import yaml
 
 from proxy.cli import build_parser
+from proxy.drafter import parse_drafter_spec
+from proxy.drafter.served import ServedOptions
 from proxy.server.app import settings_from_args
 from proxy.server.settings import ServerSettings
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-STACKS = {"gpu": ("vllm", "proxy"), "cpu": ("vllm-cpu", "proxy-cpu")}
+SERVICES = {"vllm", "vllm-draft", "proxy"}  # target vLLM, draft vLLM, ddtree-proxy
+GPU_OVERRIDE = "docker-compose.gpu.yml"
 
 
 def _expand(value, env: dict[str, str]):
@@ -32,23 +37,42 @@ def _expand(value, env: dict[str, str]):
     return value
 
 
-@pytest.fixture(scope="module")
-def services() -> dict:
-    compose = yaml.safe_load((REPO_ROOT / "docker-compose.yml").read_text())
-    return _expand(compose["services"], env={})
+def _merge(base, override):
+    """Compose's merge of an override file, for the keys these files use: mappings
+    merge key by key, anything else (command, image, device lists) is replaced."""
+    if isinstance(base, dict) and isinstance(override, dict):
+        merged = dict(base)
+        for key, value in override.items():
+            merged[key] = _merge(base[key], value) if key in base else value
+        return merged
+    return override
+
+
+def _load(*files: str, env: dict[str, str] | None = None) -> dict:
+    merged: dict = {}
+    for name in files:
+        merged = _merge(merged, yaml.safe_load((REPO_ROOT / name).read_text())["services"])
+    return _expand(merged, env or {})
+
+
+STACKS = {"cpu": ("docker-compose.yml",), "gpu": ("docker-compose.yml", GPU_OVERRIDE)}
+
+
+@pytest.fixture(scope="module", params=list(STACKS))
+def stack(request) -> tuple[str, dict]:
+    return request.param, _load(*STACKS[request.param])
 
 
 def _flag(command: list[str], name: str) -> str:
     return command[command.index(name) + 1]
 
 
-def _container_ports(service: dict) -> dict[int, str]:
-    """container port -> host address it is published on."""
+def _container_ports(service: dict) -> dict[int, tuple[str, int]]:
+    """container port -> (host address, host port) it is published on."""
     published = {}
     for spec in service["ports"]:
         host_ip, host_port, container_port = spec.split(":")
-        assert host_port == container_port
-        published[int(container_port)] = host_ip
+        published[int(container_port)] = (host_ip, int(host_port))
     return published
 
 
@@ -63,73 +87,105 @@ def _mounts(service: dict) -> dict[str, str]:
     return {spec.split(":")[1]: spec.split(":")[0] for spec in service["volumes"]}
 
 
-def test_services_and_profiles(services):
-    assert set(services) == {name for stack in STACKS.values() for name in stack}
-    for profile, names in STACKS.items():
-        for name in names:
-            assert services[name]["profiles"] == [profile]
+def test_plain_up_starts_the_three_service_stack():
+    """`docker compose up` with no profile or flag starts everything (the CPU demo)."""
+    services = yaml.safe_load((REPO_ROOT / "docker-compose.yml").read_text())["services"]
+    assert set(services) == SERVICES
+    assert not any("profiles" in service for service in services.values())
+    override = yaml.safe_load((REPO_ROOT / GPU_OVERRIDE).read_text())["services"]
+    assert set(override) <= SERVICES  # it only changes services, it adds none
 
 
-def test_images(services):
-    assert services["vllm"]["image"].startswith("vllm/vllm-openai:v")
-    assert "vllm-cpu-release-repo:v" in services["vllm-cpu"]["image"]
-    gpu = services["vllm"]["deploy"]["resources"]["reservations"]["devices"][0]
-    assert gpu["driver"] == "nvidia" and "gpu" in gpu["capabilities"]
-    assert "deploy" not in services["vllm-cpu"]
-    for proxy in ("proxy", "proxy-cpu"):
-        assert services[proxy]["build"] == "." and services[proxy]["image"] == "ddtree-proxy:latest"
+def test_images(stack):
+    profile, services = stack
+    for name in ("vllm", "vllm-draft"):
+        image = services[name]["image"]
+        if profile == "cpu":
+            assert "vllm-cpu-release-repo:v" in image and "deploy" not in services[name]
+        else:
+            assert image.startswith("vllm/vllm-openai:v")
+            (gpu,) = services[name]["deploy"]["resources"]["reservations"]["devices"]
+            assert gpu["driver"] == "nvidia" and "gpu" in gpu["capabilities"]
+    assert services["proxy"]["build"] == "." and services["proxy"]["image"] == "ddtree-proxy:latest"
 
 
-@pytest.mark.parametrize("profile", list(STACKS))
-def test_vllm_service(services, profile):
-    vllm = services[STACKS[profile][0]]
+@pytest.mark.parametrize("name", ["vllm", "vllm-draft"])
+def test_vllm_services(stack, name):
+    profile, services = stack
+    vllm = services[name]
     command = vllm["command"]
     port = int(_flag(command, "--port"))
     assert _health_port(vllm) == port
-    assert _container_ports(vllm) == {port: "127.0.0.1"}  # loopback unless asked
-    assert "--enable-prefix-caching" in command  # verification depends on the prefix cache
+    host_ip, _ = _container_ports(vllm)[port]
+    assert host_ip == "127.0.0.1"  # loopback unless asked
+    assert "--enable-prefix-caching" in command  # verification and drafting rely on it
     block_size = int(_flag(command, "--block-size"))
     assert block_size % (32 if profile == "cpu" else 16) == 0
-    if profile == "cpu":  # seeded requests must never be split by chunked prefill there
+    if profile == "cpu" and name == "vllm":  # seeded node prompts: no chunked prefill
         assert "--no-enable-chunked-prefill" in command
     model = _flag(command, "--model")
     assert any(model.startswith(mount + "/") for mount in _mounts(vllm))
     health = vllm["healthcheck"]
     assert health["retries"] >= 3 and health["start_period"].endswith("s")
+    host_ports = {services[n]["ports"][0].split(":")[1] for n in ("vllm", "vllm-draft", "proxy")}
+    assert len(host_ports) == 3  # no two services on one host port
 
 
-@pytest.mark.parametrize("profile", list(STACKS))
-def test_proxy_service_command_parses(services, profile):
-    vllm_name, proxy_name = STACKS[profile]
-    vllm, proxy = services[vllm_name], services[proxy_name]
-    assert proxy["depends_on"] == {vllm_name: {"condition": "service_healthy"}}
+def _proxy_settings(services: dict, env: dict[str, str] | None = None) -> ServerSettings:
+    proxy = services["proxy"]
     args = build_parser().parse_args(proxy["command"])
     assert args.command == "serve"
-    env = {key: str(value) for key, value in proxy["environment"].items()}
-    settings = settings_from_args(args, env=env)
+    environment = {key: str(value) for key, value in proxy["environment"].items()}
+    return settings_from_args(args, env=environment | (env or {}))
+
+
+def test_proxy_service_command_parses(stack):
+    _, services = stack
+    vllm, draft, proxy = services["vllm"], services["vllm-draft"], services["proxy"]
+    assert proxy["depends_on"] == {
+        "vllm": {"condition": "service_healthy"},
+        "vllm-draft": {"condition": "service_healthy"},
+    }
+    settings = _proxy_settings(services)
     assert isinstance(settings, ServerSettings) and settings.proxy_mode
     upstream = urlparse(settings.target_url)
-    assert upstream.hostname == vllm_name
+    assert upstream.hostname == "vllm"
     assert upstream.port == int(_flag(vllm["command"], "--port"))
     assert settings.model == _flag(vllm["command"], "--served-model-name")
     assert settings.host == "0.0.0.0"  # reachable from the host through the published port
-    assert _container_ports(proxy) == {settings.port: "127.0.0.1"}
+    assert _container_ports(proxy) == {settings.port: ("127.0.0.1", 8080)}
     assert _health_port(proxy) == settings.port
-    assert settings.api_key is None and settings.drafter == "ngram"
-    # The tokenizer dir is the model vLLM serves, mounted into both containers alike.
-    assert _mounts(proxy) == _mounts(vllm)
+    assert settings.api_key is None
+    # The drafter is the draft vLLM, asked for no more log-probs than it serves.
+    name, spec = parse_drafter_spec(settings.drafter)
+    options = ServedOptions.parse(spec)
+    assert name == "vllm" and urlparse(options.url).hostname == "vllm-draft"
+    assert urlparse(options.url).port == int(_flag(draft["command"], "--port"))
+    assert options.top_k <= int(_flag(draft["command"], "--max-logprobs"))
+    assert options.top_k >= settings.tree.budget  # a full top-k for the default budget
+    # Every model dir is the same host folder, mounted into the three containers alike.
+    assert _mounts(proxy) == _mounts(vllm) == _mounts(draft)
     assert settings.tokenizer == _flag(vllm["command"], "--model")
     assert settings.tree.budget == 16 and settings.strategy == "nodes"
 
 
-def test_compose_environment_overrides(services):
-    compose = yaml.safe_load((REPO_ROOT / "docker-compose.yml").read_text())
-    env = {"DDTREE_API_KEY": "k", "DDTREE_BUDGET": "64", "DDTREE_PUBLISH": "0.0.0.0"}
-    proxy = _expand(compose["services"]["proxy"], env)
-    args = build_parser().parse_args(proxy["command"])
-    settings = settings_from_args(args, env={k: str(v) for k, v in proxy["environment"].items()})
-    assert settings.api_key == "k" and settings.tree.budget == 64
-    assert _container_ports(proxy) == {8080: "0.0.0.0"}
+def test_compose_environment_overrides():
+    env = {
+        "DDTREE_API_KEY": "k",
+        "DDTREE_BUDGET": "64",
+        "DDTREE_PUBLISH": "0.0.0.0",
+        "DDTREE_DRAFTER": "ngram",
+        "DDTREE_MODELS": "./gpu-models",
+        "DDTREE_DRAFT_DIR": "draft",
+        "DDTREE_MODEL_NAME": "qwen3-8b",
+    }
+    services = _load(*STACKS["gpu"], env=env)
+    settings = _proxy_settings(services)
+    assert settings.api_key == "k" and settings.tree.budget == 64 and settings.drafter == "ngram"
+    assert _container_ports(services["proxy"]) == {8080: ("0.0.0.0", 8080)}
+    assert _flag(services["vllm-draft"]["command"], "--model") == "/models/draft"
+    assert settings.model == "qwen3-8b" == _flag(services["vllm"]["command"], "--served-model-name")
+    assert _mounts(services["vllm-draft"]) == {"/models": "./gpu-models"}
 
 
 def test_dockerfile_matches_the_package():

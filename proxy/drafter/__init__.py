@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import importlib
 
-from proxy.drafter.base import Drafter, DraftSession, TargetInfo
+from proxy.drafter.base import Drafter, DraftError, DraftSession, TargetInfo
 
 # name -> "module:Class"; imported on use so a drafter's heavy imports stay lazy.
 DRAFTERS: dict[str, str] = {
     "dflash": "proxy.drafter.dflash:DFlashDrafter",
     "autoregressive": "proxy.drafter.autoregressive:AutoregressiveDrafter",
     "ngram": "proxy.drafter.ngram:NgramDrafter",
+    "vllm": "proxy.drafter.served:ServedDrafter",  # a draft model on its own vLLM server
 }
 
 
@@ -32,4 +33,4 @@ def load_drafter(spec: str, target: TargetInfo) -> Drafter:
     return drafter_class(name).load(path, target)
 
 
-__all__ = ["DRAFTERS", "DraftSession", "Drafter", "TargetInfo", "load_drafter", "parse_drafter_spec"]
+__all__ = ["DRAFTERS", "DraftError", "DraftSession", "Drafter", "TargetInfo", "load_drafter", "parse_drafter_spec"]

@@ -3,18 +3,40 @@
 A `Drafter` is loaded once and shared by requests; `start()` gives each request its
 own `DraftSession`, which holds that request's drafter state (a KV cache, target
 features, or nothing).
+
+A session proposes either synchronously (`propose`, compute-bound drafters: the round
+runs it in a worker thread) or asynchronously (`apropose`, drafters that wait on I/O,
+e.g. a draft model behind its own server: it runs in the event loop). The round calls
+`draft()` below, which picks the one a session has. A drafter whose proposal can fail
+for reasons outside the request (its server is down or slow) raises `DraftError`: the
+round then goes on without a draft, and the request never sees the failure.
 """
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
 from proxy.tree import DraftDistribution
 
 if TYPE_CHECKING:  # torch is needed only by the model drafters, which import it themselves
     import torch
+
+    from proxy.tokens import Tokens
+
+
+class DraftError(RuntimeError):
+    """A draft could not be had this round (the drafter's fault, not the request's).
+
+    `kind`: "timeout", "connect", "network", "http", "malformed" (as for upstream
+    failures), or "unavailable" (the drafter is backing off after earlier failures).
+    """
+
+    def __init__(self, message: str, kind: str):
+        super().__init__(message)
+        self.kind = kind
 
 
 @dataclass(frozen=True)
@@ -52,6 +74,20 @@ class DraftSession(Protocol):
         ...
 
 
+class AsyncDraftSession(Protocol):
+    """A session whose drafts wait on I/O (a draft server): `apropose` runs in the event
+    loop. Same contract as `DraftSession.propose`, plus `DraftError` when the draft
+    cannot be had this round; `draft_calls` counts its calls to the server."""
+
+    draft_calls: int
+
+    async def apropose(
+        self, committed: Sequence[int], depth: int, top_k: int
+    ) -> DraftDistribution: ...
+
+    def advance(self, committed: Sequence[int], target_features: torch.Tensor | None) -> None: ...
+
+
 class Drafter(Protocol):
     name: str
     # Largest depth the drafter can propose in one call; None = no limit.
@@ -66,6 +102,39 @@ class Drafter(Protocol):
 
     def start(
         self, prompt_ids: Sequence[int], prompt_features: torch.Tensor | None
-    ) -> DraftSession:
+    ) -> DraftSession | AsyncDraftSession:
         """A session for one request. prompt_features: [len(prompt_ids) - 1, F] or None."""
         ...
+
+
+class ServedDrafter(Protocol):
+    """What a drafter behind its own server adds to `Drafter`: the runtime connects it
+    once (checking it against the target's tokenization), asks it for /health, and
+    closes it. Its sessions implement `apropose` and count their calls in
+    `draft_calls`."""
+
+    async def connect(self, target_tokens: Tokens) -> None: ...
+
+    async def health(self) -> dict[str, Any]: ...
+
+    def counters(self) -> dict[str, Any]:
+        """Process-wide totals for /metrics: {"calls": int, "failures": {kind: int}}."""
+        ...
+
+    async def aclose(self) -> None: ...
+
+
+async def draft(
+    session: DraftSession | AsyncDraftSession, committed: Sequence[int], depth: int, top_k: int
+) -> DraftDistribution:
+    """The session's proposal: `apropose` awaited in the loop if it has one, else
+    `propose` in a worker thread (a model drafter computes for milliseconds)."""
+    apropose = getattr(session, "apropose", None)
+    if apropose is not None:
+        return await apropose(committed, depth, top_k)
+    return await asyncio.to_thread(session.propose, committed, depth, top_k)
+
+
+def draft_calls(session: DraftSession | AsyncDraftSession | None) -> int:
+    """Calls the session has made to a draft server so far (0 for in-process drafters)."""
+    return int(getattr(session, "draft_calls", 0))

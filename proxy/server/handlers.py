@@ -33,7 +33,7 @@ from proxy.runtime import Runtime, build_runtime
 from proxy.server.admission import Admission
 from proxy.server.errors import RequestError, upstream_error
 from proxy.server.generation import Responder
-from proxy.server.metrics import ServerMetrics
+from proxy.server.metrics import DrafterCollector, ServerMetrics
 from proxy.server.passthrough import relay
 from proxy.server.plan import opted_out, plan_request
 from proxy.server.request_models import REQUEST_MODELS, Endpoint
@@ -60,6 +60,9 @@ class Handlers:
         if self._runtime is None:
             self._runtime = await build_runtime(self.settings, transport)
             self._owns_runtime = True
+        counters = getattr(self._runtime.drafter, "counters", None)
+        if counters is not None:  # a served drafter counts its own calls and failures
+            self.metrics.registry.register(DrafterCollector(counters))
         upstream = self._runtime.upstream
         if upstream is not None:
             retries = self.metrics.upstream_retries

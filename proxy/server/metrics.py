@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from typing import Any, Callable, Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, Metric
 
 from proxy.adaptive.costs import CostSnapshot
 from proxy.round import RoundStats
@@ -153,3 +156,26 @@ class ServerMetrics:
         for name, value in vars(costs).items():
             if value is not None:
                 self.cost.labels(name).set(value)
+
+
+class DrafterCollector:
+    """A served drafter's own totals (`proxy.drafter.base.ServedDrafter.counters`), read
+    at scrape time: draft calls, and rounds that went on without a draft by cause."""
+
+    def __init__(self, counters: Callable[[], dict[str, Any]]):
+        self._counters = counters
+
+    def collect(self) -> Iterator[Metric]:
+        totals = self._counters()
+        yield CounterMetricFamily(
+            "ddtree_draft_calls", "Calls made to the draft server", value=totals["calls"]
+        )
+        failures = CounterMetricFamily(
+            "ddtree_draft_failures",
+            "Rounds that went on without a draft (the request unaffected), by cause: "
+            "timeout, connect, network, http, malformed, unavailable (backing off), context",
+            labels=["kind"],
+        )
+        for kind, count in sorted(totals["failures"].items()):
+            failures.add_metric([kind], count)
+        yield failures

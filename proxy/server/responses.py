@@ -34,6 +34,8 @@ def ddtree_usage(stats: GenerationStats) -> dict[str, Any]:
         "plain_calls": stats.plain_calls,
         "switches_to_plain": stats.switches_to_plain,
         "switches_to_speculation": stats.switches_to_speculation,
+        "draft_calls": stats.draft_calls,
+        "draft_failures": stats.draft_failures,
     }
 
 
