@@ -141,6 +141,8 @@ def test_completions_greedy_equal_generate(client, reference, ddtree):
             "plain_calls",
             "switches_to_plain",
             "switches_to_speculation",
+            "draft_calls",
+            "draft_failures",
         }
         assert stats["upstream_calls"] == 0  # engine mode: no upstream
         assert stats["plain_tokens"] == 0  # engine mode: nothing to stream from
