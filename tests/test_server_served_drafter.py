@@ -71,7 +71,9 @@ def _settings(vllm_server, draft_server, **drafter_options) -> ServerSettings:
         target_url=vllm_server.url,
         tokenizer=str(vllm_server.model_dir),
         drafter=f"vllm:{spec}",
-        tree=TreeSettings(budget=16),
+        # Every round drafts: these tests are about the draft server (calls, failures,
+        # kill); the adaptive policy's own tests are tests/test_adaptive*.py.
+        tree=TreeSettings(budget=16, policy="fixed"),
         read_timeout=300,
     )
 
