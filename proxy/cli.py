@@ -44,6 +44,20 @@ def _add_policy_arg(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_tree_args(parser: argparse.ArgumentParser, default_budget: int | None) -> None:
+    """Tree shape, budget policy and device flags (serve's defaults are None so that
+    DDTREE_* variables can fill them)."""
+    shape = parser.add_mutually_exclusive_group()
+    shape.add_argument(
+        "--budget", type=int, default=default_budget, help="tree nodes per round (16)"
+    )
+    shape.add_argument("--chain", action="store_true", help="plain chain of depth D")
+    shape.add_argument("--no-draft", action="store_true", help="no speculation at all")
+    parser.add_argument("--depth", type=int, default=None, help="tree depth per round")
+    _add_device_args(parser)
+    _add_policy_arg(parser)
+
+
 def _add_device_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--device",
@@ -66,13 +80,7 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_DRAFTER,
         help=f"NAME[:PATH], NAME one of {', '.join(sorted(DRAFTERS))} (default: shipped dflash)",
     )
-    shape = parser.add_mutually_exclusive_group()
-    shape.add_argument("--budget", type=int, default=16, help="tree nodes per round")
-    shape.add_argument("--chain", action="store_true", help="plain chain of depth D")
-    shape.add_argument("--no-draft", action="store_true", help="no speculation at all")
-    parser.add_argument("--depth", type=int, default=None, help="tree depth per round")
-    _add_device_args(parser)
-    _add_policy_arg(parser)
+    _add_tree_args(parser, default_budget=16)
     parser.add_argument(
         "--torch-threads",
         type=int,
@@ -188,13 +196,7 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
         help=f"NAME[:PATH], NAME one of {', '.join(sorted(DRAFTERS))} "
         "(default: ngram in proxy mode, the shipped dflash in engine mode)",
     )
-    shape = parser.add_mutually_exclusive_group()
-    shape.add_argument("--budget", type=int, default=None, help="tree nodes per round (16)")
-    shape.add_argument("--chain", action="store_true", help="plain chain of depth D")
-    shape.add_argument("--no-draft", action="store_true", help="no speculation at all")
-    parser.add_argument("--depth", type=int, default=None, help="tree depth per round")
-    _add_device_args(parser)
-    _add_policy_arg(parser)
+    _add_tree_args(parser, default_budget=None)
     parser.add_argument(
         "--strategy",
         choices=get_args(Strategy),

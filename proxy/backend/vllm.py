@@ -152,6 +152,19 @@ class VLLMHttp:
                 f"{where} returned malformed JSON: {response.text[:200]!r}", "malformed"
             ) from exc
 
+    async def served_models(self) -> dict[str, dict[str, Any]]:
+        """/v1/models as {model id: its entry}; TargetError if it serves none."""
+        listing = await self.request_json("GET", "/v1/models")
+        try:
+            entries = {entry["id"]: entry for entry in listing["data"]}
+        except (KeyError, TypeError) as exc:
+            raise TargetError(
+                f"unexpected /v1/models answer from {self.base_url}: {listing!r:.300}"
+            ) from exc
+        if not entries:
+            raise TargetError(f"vLLM at {self.base_url} serves no model")
+        return entries
+
     async def open_stream(
         self, method: str, path: str, content: bytes | None, headers: dict[str, str]
     ) -> httpx.Response:
@@ -227,6 +240,14 @@ def _error_object(response: httpx.Response) -> dict[str, Any] | None:
     except (ValueError, AttributeError):
         return None
     return error if isinstance(error, dict) and isinstance(error.get("message"), str) else None
+
+
+def max_model_len_of(entry: dict[str, Any], url: str) -> int:
+    """A /v1/models entry's max_model_len (TargetError if it has none)."""
+    max_model_len = entry.get("max_model_len")
+    if not isinstance(max_model_len, int):
+        raise TargetError(f"/v1/models at {url} gives no max_model_len for {entry.get('id')!r}")
+    return max_model_len
 
 
 def eos_token_ids_from_model_dir(model_dir: str | Path) -> tuple[int, ...]:
@@ -324,15 +345,7 @@ class VLLMTarget:
             transport=transport,
         )
         try:
-            listing = await http.request_json("GET", "/v1/models")
-            try:
-                entries = {entry["id"]: entry for entry in listing["data"]}
-            except (KeyError, TypeError) as exc:
-                raise TargetError(
-                    f"unexpected /v1/models answer from {url}: {listing!r:.300}"
-                ) from exc
-            if not entries:
-                raise TargetError(f"vLLM at {url} serves no model")
+            entries = await http.served_models()
             if model is None:
                 model = next(iter(entries))
             if model not in entries:
@@ -346,10 +359,7 @@ class VLLMTarget:
                         f"model_dir= (the model's local config/tokenizer dir)"
                     )
                 eos_token_ids = eos_token_ids_from_model_dir(local)
-            max_model_len = entry.get("max_model_len")
-            if not isinstance(max_model_len, int):
-                raise TargetError(f"/v1/models at {url} gives no max_model_len for {model!r}")
-            return cls(http, model, max_model_len, eos_token_ids)
+            return cls(http, model, max_model_len_of(entry, url), eos_token_ids)
         except BaseException:
             await http.aclose()
             raise

@@ -26,7 +26,7 @@ import httpx
 import numpy as np
 
 from proxy.backend.base import TargetError
-from proxy.backend.vllm import RetryPolicy, VLLMHttp
+from proxy.backend.vllm import RetryPolicy, VLLMHttp, max_model_len_of
 from proxy.backend.vllm_tokens import VLLMTokens
 
 TOKEN_ID_PREFIX = "token_id:"  # how vLLM names a token with return_tokens_as_token_ids
@@ -79,24 +79,13 @@ class VLLMDraftServer:
             transport=transport,
         )
         try:
-            listing = await http.request_json("GET", "/v1/models")
-            try:
-                entries = {entry["id"]: entry for entry in listing["data"]}
-            except (KeyError, TypeError) as exc:
-                raise TargetError(
-                    f"unexpected /v1/models answer from {url}: {listing!r:.300}"
-                ) from exc
-            if not entries:
-                raise TargetError(f"the draft vLLM at {url} serves no model")
+            entries = await http.served_models()
             model = model or next(iter(entries))
             if model not in entries:
                 raise ValueError(
                     f"draft model {model!r} not served at {url}; served: {list(entries)}"
                 )
-            max_model_len = entries[model].get("max_model_len")
-            if not isinstance(max_model_len, int):
-                raise TargetError(f"/v1/models at {url} gives no max_model_len for {model!r}")
-            return cls(http, model, max_model_len, timeout_s)
+            return cls(http, model, max_model_len_of(entries[model], url), timeout_s)
         except BaseException:
             await http.aclose()
             raise
