@@ -69,7 +69,8 @@ async def _proxied(target, drafter, tree, state, prompts, max_tokens, concurrenc
         return ""
 
     async def one(prompt) -> GenerationStats:
-        request = GenerationRequest(prompt, max_tokens, tree=tree, ignore_eos=True)
+        # Non-streaming, like the direct requests it is compared with.
+        request = GenerationRequest(prompt, max_tokens, tree=tree, ignore_eos=True, stream=False)
         async with semaphore:
             return (await generate(target, drafter, request, detokenize, state)).stats
 

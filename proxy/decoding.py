@@ -20,7 +20,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from proxy.adaptive import AdaptiveState, Controller
-from proxy.adaptive.controller import SHADOW_EVERY
+from proxy.adaptive.controller import MAX_CHUNK_SHADOWS, SHADOW_EVERY
 from proxy.backend.base import SessionOptions, Target, TargetError, TargetSession
 from proxy.drafter.base import AsyncDraftSession, Drafter, DraftError, DraftSession, draft
 from proxy.output import Delta, Detokenize, OutputProcessor
@@ -68,6 +68,9 @@ class GenerationRequest:
     ignore_eos: bool = False
     logprobs: bool = False  # report the target's log-prob of each emitted token
     strategy: str | None = None  # how the target verifies a tree; None = its default
+    # The client reads the output as it comes (a stream). If not, plain generation may
+    # come in chunks, which is cheaper for vLLM than streaming token by token.
+    stream: bool = True
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:
@@ -221,7 +224,7 @@ async def stream_generate(
                 assert adaptive is not None and draft_session is not None
                 chunk = _plain_stream(
                     session, draft_session, committed, output, controller, adaptive, shape,
-                    new_tokens, target.max_model_len,
+                    new_tokens, target.max_model_len, request.stream,
                 )  # fmt: skip
                 async for delta in chunk:
                     yield delta
@@ -274,16 +277,20 @@ async def _plain_stream(
     shape: RoundShape,
     new_tokens: int,
     max_model_len: int,
+    streaming: bool,
 ) -> AsyncIterator[Delta]:
-    """Plain generation, streamed from the target, until the output ends or the
-    controller closes the stream; shadow rounds (trees the drafter proposes on the way,
-    walked once the tokens they predict arrive) tell it when speculation pays again."""
+    """Plain generation from the target until the output ends or the controller closes
+    the stream -- or, for a client that does not stream, one chunk of it; shadow rounds
+    (trees the drafter proposes on the way, walked once the tokens they predict arrive)
+    tell the controller when speculation pays again."""
     num_tokens = min(output.remaining, max_model_len - len(committed))
+    if not streaming:
+        num_tokens = controller.plain_chunk(num_tokens)
     started = last = time.perf_counter()
     first_token_s: float | None = None
     gaps: list[float] = []
     since_shadow = SHADOW_EVERY  # a shadow right at the start
-    stream = session.plain(list(committed), num_tokens)
+    stream = session.plain(list(committed), num_tokens, streaming)
     try:
         while True:
             if since_shadow >= SHADOW_EVERY and shape.depth >= 1:
@@ -294,12 +301,13 @@ async def _plain_stream(
             except StopAsyncIteration:
                 break
             now = time.perf_counter()
-            if first_token_s is None:
+            calls, sent = (1, len(committed)) if last == started else (0, 0)
+            if not streaming:  # one answer: its time, spread over its tokens
+                gaps.extend([(now - started) / len(tokens)] * len(tokens))
+            elif first_token_s is None:
                 first_token_s = now - started
-                calls, sent = 1, len(committed)
             else:
                 gaps.extend([(now - last) / len(tokens)] * len(tokens))
-                calls, sent = 0, 0
             stats = RoundStats(
                 acceptance_length=len(tokens),
                 num_nodes=0,
@@ -311,7 +319,15 @@ async def _plain_stream(
                 kind="plain",
             )
             last = now
+            start = len(committed)
             committed.extend(tokens)
+            if not streaming:  # the shadows the chunk's tokens would have met on the way
+                for position in range(start + SHADOW_EVERY, len(committed), SHADOW_EVERY):
+                    if position - start > SHADOW_EVERY * MAX_CHUNK_SHADOWS:
+                        break
+                    prefix = committed[:position]
+                    await _add_shadow(draft_session, prefix, controller, shape, SHADOW_EVERY)
+                since_shadow = 0
             draft_session.advance(committed, None)
             leave = controller.observe_plain_tokens(committed, len(tokens))
             since_shadow += len(tokens)
@@ -322,9 +338,10 @@ async def _plain_stream(
             if output.finish_reason is not None or leave:
                 break
     except TargetError:
-        # A stream that broke cannot be resumed as it was, but every token so far is
-        # the target's: go on with verification rounds, which are retried (and fail
-        # the request only if the upstream keeps failing).
+        # Plain generation that broke (a stream cannot be resumed as it was; a chunk
+        # was retried already), but every token so far is the target's: go on with
+        # verification rounds, which are retried (and fail the request only if the
+        # upstream keeps failing).
         controller.stop_plain()
     finally:
         await stream.aclose()

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from proxy.adaptive import AdaptiveState, Calibration, CostModel
-from proxy.adaptive.controller import MIN_CALLS, PROBE_FIRST
+from proxy.adaptive.controller import FIRST_CHUNK, MAX_CHUNK, MIN_CALLS, PROBE_FIRST
 from proxy.tree import DraftDistribution, build_tree
 
 
@@ -120,6 +120,19 @@ def test_controller_steps_aside_probes_and_comes_back():
         leaves.append(controller.observe_plain_tokens(committed, len(path) + 1))
     assert leaves == [False, True]  # two shadow rounds make the prediction
     assert not controller.plain and controller.num_switches_to_speculation == 1
+
+
+def test_plain_chunks_double_and_a_seeded_request_takes_the_rest_at_once():
+    state = _trained_state(0.030, 0.002, 0.0, plain_token_s=0.005)
+    controller = state.controller(can_stream=True, seeded=False)
+    assert [controller.plain_chunk(1000) for _ in range(5)] == [
+        FIRST_CHUNK, 2 * FIRST_CHUNK, 4 * FIRST_CHUNK, MAX_CHUNK, MAX_CHUNK
+    ]
+    assert controller.plain_chunk(10) == 10
+    controller.choose_nodes(_tree(0.2), 1)  # steps aside: chunks start small again
+    assert controller.plain and controller.plain_chunk(1000) == FIRST_CHUNK
+    seeded = state.controller(can_stream=True, seeded=True)
+    assert seeded.plain_chunk(1000) == 1000
 
 
 def test_seeded_requests_never_switch():

@@ -74,9 +74,14 @@ async def _detokenize(token_ids: list[int]) -> str:
     return ""  # token ids are compared, not text
 
 
-@pytest.mark.parametrize("drafter_name", ["ngram", "autoregressive"])
-@pytest.mark.parametrize("plain_first", [True, False])
-def test_greedy_output_equals_vllm_across_switches(vllm_server, drafter_name, plain_first):
+@pytest.mark.parametrize(
+    "drafter_name, plain_first, stream",
+    [("ngram", True, True), ("ngram", False, True), ("ngram", True, False),
+     ("autoregressive", True, True), ("autoregressive", False, False)],
+)  # fmt: skip
+def test_greedy_output_equals_vllm_across_switches(vllm_server, drafter_name, plain_first, stream):
+    """`stream`: plain generation streamed (closed after 5 tokens), or in one chunk per
+    call (a non-streaming client's)."""
     prompts = [[1 + (i * 37 + j * 11) % 240 for j in range(20 + 13 * i)] for i in range(6)]
     prompts.append([7, 8, 9, 7, 8, 9, 7, 8, 9, 7, 8])  # repetitive: ngram drafts land
     max_tokens = 40
@@ -91,7 +96,7 @@ def test_greedy_output_equals_vllm_across_switches(vllm_server, drafter_name, pl
             return [
                 await generate(
                     target, drafter,
-                    GenerationRequest(p, max_tokens, tree=tree, ignore_eos=True),
+                    GenerationRequest(p, max_tokens, tree=tree, ignore_eos=True, stream=stream),
                     _detokenize, state,
                 )  # fmt: skip
                 for p in prompts

@@ -43,6 +43,10 @@ EXPLORE_TOKENS = 16  # plain tokens between two exploring rounds, until the fit 
 PROBE_FIRST = 64  # plain tokens before the first probe round; doubles up to PROBE_MAX
 PROBE_MAX = 512
 PLAIN_RATE_TOKENS = 64  # the stream length over which plain's first-token wait is spread
+# Plain chunks for a client that does not stream: 32 tokens, doubling while plain wins.
+FIRST_CHUNK = 32
+MAX_CHUNK = 256
+MAX_CHUNK_SHADOWS = 4  # shadow rounds within one chunk (each is a drafter call)
 
 
 @dataclass
@@ -83,6 +87,7 @@ class Controller:
         self._num_explored = 0
         self._plain_since_round = 0  # plain tokens since the last real round
         self._probe_after = PROBE_FIRST
+        self._chunk = FIRST_CHUNK
         self._shadows: list[Shadow] = []
         self._shadow_rates: list[float] = []
         # Decisions made, for usage.ddtree and /metrics.
@@ -144,6 +149,16 @@ class Controller:
             return False
         return True
 
+    def plain_chunk(self, remaining: int) -> int:
+        """Tokens to ask for at once when the client does not stream: chunks double
+        while plain keeps winning (closing a chunk early is not possible). A seeded
+        request takes the rest in one call: re-seeding each chunk would not give vLLM's
+        own draws."""
+        if self.seeded:
+            return remaining
+        chunk, self._chunk = self._chunk, min(2 * self._chunk, MAX_CHUNK)
+        return min(chunk, remaining)
+
     def add_shadow(self, tree: DraftTree, start: int, new_tokens: int) -> None:
         self._shadows.append(Shadow(tree, start, new_tokens))
 
@@ -199,6 +214,7 @@ class Controller:
         self.num_switches_to_plain += 1
         self._probe_due = False
         self._probe_after = PROBE_FIRST
+        self._chunk = FIRST_CHUNK
         self._shadow_rates = []
 
     def _go_speculative(self) -> None:

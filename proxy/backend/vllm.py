@@ -525,31 +525,42 @@ class VLLMSession:
         return None  # no features over HTTP; vLLM's prefix cache keeps the context
 
     async def plain(
-        self, committed: Sequence[int], max_tokens: int
+        self, committed: Sequence[int], max_tokens: int, stream: bool = True
     ) -> AsyncIterator[tuple[list[int], list[float] | None]]:
         """Plain generation: vLLM's own decoding of up to `max_tokens` tokens after
-        `committed`, streamed; yields (token ids, their log-probs or None) as they come.
-        Closing the iterator early closes the stream, and vLLM aborts the request.
+        `committed`; yields (token ids, their log-probs or None) as they come: streamed,
+        or (`stream=False`, cheaper for vLLM when nobody reads tokens one by one) all in
+        one answer. Closing a stream early closes it, and vLLM aborts the request.
         EOS is ignored here: the output processor decides where the output stops. The
         client's seed is vLLM's own, so a request that is plain from its first token
         draws exactly what vLLM alone would."""
         body = self._body([int(t) for t in committed], max_tokens)
-        body["stream"] = True
         if self.params.seed is not None:
             body["seed"] = self.params.seed
         self.counters.upstream_calls += 1
         self.counters.verify_prompt_tokens += len(committed)
+        if not stream:
+            # Idempotent like verification (greedy, seeded, or an unused draw): retried.
+            answer = await self.target.http.request_json("POST", "/v1/completions", body)
+            yield self._plain_choice(answer)
+            return
+        body["stream"] = True
         async for event in self.target.http.stream_events("/v1/completions", body):
-            try:
-                (choice,) = event["choices"]
-                tokens = [int(t) for t in choice.get("token_ids") or []]
-                logprobs = None
-                if self.want_logprobs and tokens:
-                    logprobs = [float(lp) for lp in choice["logprobs"]["token_logprobs"]]
-            except (KeyError, TypeError, ValueError) as exc:
-                raise TargetError(f"unexpected stream chunk from vLLM: {event!r:.300}") from exc
+            tokens, logprobs = self._plain_choice(event)
             if tokens:
                 yield tokens, logprobs
+
+    def _plain_choice(self, answer: Any) -> tuple[list[int], list[float] | None]:
+        """(token ids, log-probs or None) of a plain answer or stream event."""
+        try:
+            (choice,) = answer["choices"]
+            tokens = [int(t) for t in choice.get("token_ids") or []]
+            logprobs = None
+            if self.want_logprobs and tokens:
+                logprobs = [float(lp) for lp in choice["logprobs"]["token_logprobs"]]
+        except (KeyError, TypeError, ValueError) as exc:
+            raise TargetError(f"unexpected plain answer from vLLM: {answer!r:.300}") from exc
+        return tokens, logprobs
 
     async def aclose(self) -> None:
         return None  # the pooled client belongs to the target

@@ -152,6 +152,7 @@ async def plan_request(
             ignore_eos=parsed.ignore_eos,
             logprobs=want_logprobs,
             strategy=strategy,
+            stream=bool(parsed.stream),
         )
     except PromptError as exc:
         raise RequestError(f"{prompt_field}: {exc}", param=prompt_field) from None
