@@ -103,7 +103,9 @@ def test_no_request_field_names_a_file_to_load(vllm_server, shim, guarded):
     top-level names vLLM does not know are ignored as vLLM ignores them (the answer is
     the one without them: nothing was loaded), and another `model` is handed to vLLM as
     a name it does not serve."""
-    assert set(DDTreeOptions.model_fields) == {"enabled", "kind", "budget", "depth", "strategy"}
+    assert set(DDTreeOptions.model_fields) == {
+        "enabled", "kind", "budget", "depth", "strategy", "policy"
+    }
     base = {"model": vllm_server.model, "prompt": "x", "max_tokens": 2}
     calls_before = shim.stats.calls["/v1/completions"]
     for body, param in [
