@@ -193,6 +193,13 @@ def test_served_default_policy_is_lossless_and_exposes_its_costs(vllm_server):
                 assert stats["plain_tokens"] + round(
                     stats["rounds"] * stats["mean_acceptance_length"]
                 ) == max_tokens
+        # A seeded request is vLLM's own, whatever the policy has learnt.
+        seeded = {"model": vllm_server.model, "prompt": prompts[0], "max_tokens": 24,
+                  "temperature": 0.9, "seed": 1234, "return_token_ids": True}  # fmt: skip
+        ours = httpx.post(proxy.url + "/v1/completions", json=seeded, timeout=300).json()
+        theirs = httpx.post(vllm_server.url + "/v1/completions", json=seeded, timeout=300).json()
+        assert ours["choices"][0]["token_ids"] == theirs["choices"][0]["token_ids"]
+        assert ours["usage"]["ddtree"]["plain_tokens"] == ours["usage"]["completion_tokens"]
         metrics = httpx.get(proxy.url + "/metrics").text
     for parameter in ("per_call_s", "per_prompt_s", "plain_token_s", "num_calls"):
         assert f'ddtree_cost_model{{parameter="{parameter}"}}' in metrics, parameter

@@ -72,10 +72,12 @@ def proxies(vllm_server):
     model_dir = str(vllm_server.model_dir)
     # Depth 4: each level is one drafter forward in this process, and the drafter's
     # forwards are what this proxy's rounds mostly cost on a busy CPU.
+    # The ngram proxy runs the default (adaptive) policy; this one verifies its trees
+    # every round (fixed), so the tau check below still sees the tree machinery work.
     autoregressive = ServerSettings(
         drafter=f"autoregressive:{model_dir}",
         tokenizer=model_dir,
-        **(common | {"tree": TreeSettings(budget=16, depth=4)}),
+        **(common | {"tree": TreeSettings(budget=16, depth=4, policy="fixed")}),
     )
     with (
         BackgroundServer(create_app(ngram)) as a,

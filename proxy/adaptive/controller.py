@@ -21,8 +21,11 @@ just verifies fewer nodes, down to the root alone.
 
 A seeded request never switches: plain generation draws with vLLM's own seeded
 generator and speculation with per-position seeds (`proxy.sampling`); both follow the
-target's distribution, but a switch would make the output depend on timing. It picks
-one path at its start and keeps it (a plain one does not even probe).
+target's distribution, but a switch -- or a start that depended on what the policy has
+measured -- would make the output depend on timing. So where the target can stream, a
+seeded request is generated plainly from its first token to its last, in one call:
+the same seed then gives exactly vLLM's own output, every time. (`policy: fixed`
+speculates seeded requests, with per-position seeds: identical across budgets.)
 """
 
 from __future__ import annotations
@@ -103,8 +106,8 @@ class Controller:
         if not self.can_stream:
             return
         plain_rate = self._plain_rate()
-        if plain_rate is None:
-            self.plain = not self.seeded
+        if plain_rate is None or self.seeded:
+            self.plain = True
         elif self._trusted():
             self.plain = self.costs.recent_round_rate() < plain_rate
 
