@@ -30,7 +30,7 @@ class Scripted(Controller):
 
     def __init__(self, state: AdaptiveState, plain_first: bool, num_nodes: int | None, chunk: int):
         super().__init__(state.costs, state.calibration, can_stream=True, seeded=False)
-        self._plain_first, self._nodes, self._chunk = plain_first, num_nodes, chunk
+        self._plain_first, self._nodes, self._script_chunk = plain_first, num_nodes, chunk
         self._num_plain = 0
 
     def start(self) -> None:
@@ -42,7 +42,7 @@ class Scripted(Controller):
 
     def observe_plain_tokens(self, committed: list[int], num_new: int) -> bool:
         self._num_plain += num_new
-        if self._num_plain < self._chunk:
+        if self._num_plain < self._script_chunk:
             return False
         self._num_plain = 0
         self._go_speculative()

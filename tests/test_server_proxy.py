@@ -267,6 +267,9 @@ def test_seeded_sampling_identical_across_budgets_and_drafters(vllm_server, prox
     outputs: dict[str, list[list[int]]] = {}
     for drafter, url in proxies.items():
         for budget, ddtree in BUDGETS.items():
+            # Speculated (fixed): under the adaptive policy a seeded request is vLLM's
+            # own from start to end (tests/test_adaptive_vllm.py checks that).
+            ddtree = ddtree | {"policy": "fixed"}
             bodies = [
                 _completion(vllm_server.model, prompt, temperature=0.8, seed=100 + idx, max_tokens=12, ddtree=ddtree)
                 for idx, prompt in enumerate(chosen)
