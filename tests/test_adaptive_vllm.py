@@ -40,6 +40,9 @@ class Scripted(Controller):
         self._go_plain()
         return tree.num_nodes if self._nodes is None else min(self._nodes, tree.num_nodes)
 
+    def plain_chunk(self, remaining: int) -> int:
+        return min(self._script_chunk, remaining)
+
     def observe_plain_tokens(self, committed: list[int], num_new: int) -> bool:
         self._num_plain += num_new
         if self._num_plain < self._script_chunk:
@@ -135,7 +138,9 @@ def test_unseeded_sampling_with_switches_matches_vllm(vllm_server):
         state = ScriptedState(plain_first=plain_first, num_nodes=0, chunk=1)
         target = await VLLMTarget.connect(vllm_server.url, model_dir=vllm_server.model_dir)
         semaphore = asyncio.Semaphore(16)
-        request = GenerationRequest(prompt, 2, sampling=params, ignore_eos=True)
+        # Non-streaming plain chunks: exactly one token each (a stream may bring two
+        # tokens in one event).
+        request = GenerationRequest(prompt, 2, sampling=params, ignore_eos=True, stream=False)
 
         async def one():
             async with semaphore:
