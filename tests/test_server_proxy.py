@@ -111,6 +111,19 @@ def _completion(model: str, prompt, **extra) -> dict:
             "return_token_ids": True, **extra}  # fmt: skip
 
 
+def greedy_answers(vllm_server, proxy_url: str, prompts, greedy_reference, budget: str) -> list:
+    """The proxy's answers to every equality prompt at one BUDGETS setting; all must
+    carry vLLM's own greedy token ids."""
+    bodies = [_completion(vllm_server.model, p, ddtree=BUDGETS[budget]) for p in prompts]
+    answers = post_all(proxy_url, bodies)
+    mismatches = [
+        idx for idx, (answer, expected) in enumerate(zip(answers, greedy_reference, strict=True))
+        if answer["choices"][0]["token_ids"] != expected
+    ]  # fmt: skip
+    assert not mismatches, f"{len(mismatches)} of {len(prompts)} prompts differ: {mismatches}"
+    return answers
+
+
 def vllm_metrics(url: str) -> dict[str, float]:
     """Counters summed over label sets, e.g. vllm:prompt_tokens_total."""
     totals: Counter = Counter()
@@ -133,13 +146,7 @@ def greedy_reference(vllm_server, prompts) -> list[list[int]]:
 def test_greedy_token_ids_equal_vllm(
     vllm_server, proxies, prompts, greedy_reference, drafter, budget
 ):
-    bodies = [_completion(vllm_server.model, p, ddtree=BUDGETS[budget]) for p in prompts]
-    answers = post_all(proxies[drafter], bodies)
-    mismatches = [
-        idx for idx, (answer, expected) in enumerate(zip(answers, greedy_reference, strict=True))
-        if answer["choices"][0]["token_ids"] != expected
-    ]  # fmt: skip
-    assert not mismatches, f"{len(mismatches)} of {len(prompts)} prompts differ: {mismatches}"
+    answers = greedy_answers(vllm_server, proxies[drafter], prompts, greedy_reference, budget)
     for answer, prompt in zip(answers, prompts, strict=True):
         stats = answer["usage"]["ddtree"]
         assert stats["upstream_calls"] == stats["rounds"]  # greedy: ONE call per round

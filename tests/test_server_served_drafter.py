@@ -18,7 +18,14 @@ import httpx
 import pytest
 import test_server_proxy
 from background_server import BackgroundServer
-from test_server_proxy import BUDGETS, MAX_MODEL_LEN, MAX_TOKENS, _completion, post_all
+from test_server_proxy import (
+    BUDGETS,
+    MAX_MODEL_LEN,
+    MAX_TOKENS,
+    _completion,
+    greedy_answers,
+    post_all,
+)
 from transformers import AutoTokenizer
 
 from proxy.decoding import TreeSettings
@@ -86,13 +93,7 @@ def served_proxy(vllm_server, draft_server):
 
 @pytest.mark.parametrize("budget", list(BUDGETS))
 def test_greedy_token_ids_equal_vllm(vllm_server, served_proxy, prompts, greedy_reference, budget):
-    bodies = [_completion(vllm_server.model, p, ddtree=BUDGETS[budget]) for p in prompts]
-    answers = post_all(served_proxy, bodies)
-    mismatches = [
-        idx for idx, (answer, expected) in enumerate(zip(answers, greedy_reference, strict=True))
-        if answer["choices"][0]["token_ids"] != expected
-    ]  # fmt: skip
-    assert not mismatches, f"{len(mismatches)} of {len(prompts)} prompts differ: {mismatches}"
+    answers = greedy_answers(vllm_server, served_proxy, prompts, greedy_reference, budget)
     for answer, prompt in zip(answers, prompts, strict=True):
         stats = answer["usage"]["ddtree"]
         assert stats["upstream_calls"] == stats["rounds"]  # greedy: ONE verification call
