@@ -185,9 +185,12 @@ def test_deadline_mid_stream_ends_with_an_error_event_then_done(vllm_server):
     with FaultShim(
         vllm_server.url, rate=0.0, faults=("delay",), paths=("/v1/completions",), delay_s=5.0
     ) as shim:
+        # Fixed policy: the stall hits verification rounds (the shim buffers whole
+        # answers, so a plain stream through it would arrive in one piece).
         settings = proxy_settings(
-            shim.url, read_timeout=1.0, request_timeout=deadline_s, max_retries=20
-        )
+            shim.url, read_timeout=1.0, request_timeout=deadline_s, max_retries=20,
+            tree=TreeSettings(budget=8, policy="fixed"),
+        )  # fmt: skip
         with BackgroundServer(create_app(settings)) as proxy:
             body = completion(vllm_server.model, "", stream=True)
             body |= {"prompt": [5, 6, 7], "max_tokens": 1000, "ignore_eos": True}
