@@ -93,22 +93,28 @@ class VLLMHttp:
     ) -> None:
         self.base_url = base_url.rstrip("/")
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        if transport is None:
+        timeout = httpx.Timeout(read_timeout, connect=connect_timeout)
+
+        def client(max_connections: int | None) -> httpx.AsyncClient:
             # Pooled connections expire before vLLM's own keep-alive timeout (uvicorn's
             # 5 s): reusing one the server has just closed fails with a ReadError.
-            transport = httpx.AsyncHTTPTransport(
+            pool = transport or httpx.AsyncHTTPTransport(
                 limits=httpx.Limits(
                     max_connections=max_connections,
-                    max_keepalive_connections=max_connections,
+                    max_keepalive_connections=max_connections or 64,
                     keepalive_expiry=KEEPALIVE_EXPIRY_S,
                 )
             )
-        self.client = httpx.AsyncClient(
-            base_url=self.base_url,
-            headers=headers,
-            timeout=httpx.Timeout(read_timeout, connect=connect_timeout),
-            transport=transport,
-        )
+            return httpx.AsyncClient(
+                base_url=self.base_url, headers=headers, timeout=timeout, transport=pool
+            )
+
+        # Short calls (verification, tokenization) share one bounded pool. Streams
+        # (plain generation, pass-through relays) hold a connection for a request's
+        # whole length and get their own pool: in one pool, 64 open streams whose
+        # requests each wait for a /detokenize call would starve each other.
+        self.client = client(max_connections)
+        self.stream_client = client(None)
         self.retry = retry or RetryPolicy()
         self.on_retry: Callable[[str], None] | None = None
         self._rng = random.Random()
@@ -170,9 +176,11 @@ class VLLMHttp:
     ) -> httpx.Response:
         """Send a request as given and return the response with its body unread (the
         caller relays it and closes it); no retries: it may not be idempotent."""
-        request = self.client.build_request(method, path, content=content, headers=headers)
+        request = self.stream_client.build_request(
+            method, path, content=content, headers=headers
+        )
         try:
-            return await self.client.send(request, stream=True)
+            return await self.stream_client.send(request, stream=True)
         except httpx.HTTPError as exc:
             raise transport_failure(f"vLLM {method} {self.base_url}{path}", exc) from exc
 
@@ -231,6 +239,7 @@ class VLLMHttp:
 
     async def aclose(self) -> None:
         await self.client.aclose()
+        await self.stream_client.aclose()
 
 
 def _error_object(response: httpx.Response) -> dict[str, Any] | None:
