@@ -33,6 +33,8 @@ def _match_starts(tokens: np.ndarray, ngram: int) -> np.ndarray:
 
 
 class NgramSession:
+    inline = True  # a fraction of a millisecond of numpy: no worker thread (see `draft`)
+
     def __init__(self, drafter: "NgramDrafter"):
         self.drafter = drafter
 
