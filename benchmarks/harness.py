@@ -83,9 +83,9 @@ class _RecordingSession:
         self._seen = self.log.context_len[-1] + len(result.accepted_nodes)
         return await self.inner.accept(tree, result)
 
-    async def plain(self, committed: Sequence[int], max_tokens: int, streaming: bool = True):
+    async def plain(self, committed: Sequence[int], max_tokens: int):
         # Plain generation has no tree to log; the next round's context starts after it.
-        stream = self.inner.plain(committed, max_tokens, streaming)
+        stream = self.inner.plain(committed, max_tokens)
         self._seen = len(committed)
         try:
             async for tokens, logprobs in stream:

@@ -7,8 +7,17 @@ import numpy as np
 import pytest
 
 from proxy.adaptive import AdaptiveState, Calibration, CostModel
-from proxy.adaptive.controller import FIRST_CHUNK, MAX_CHUNK, MIN_CALLS, PROBE_FIRST
-from proxy.tree import DraftDistribution, build_tree
+from proxy.adaptive.controller import (
+    MIN_CALLS,
+    PLAIN_PROBE_FIRST,
+    PLAIN_PROBE_TOKENS,
+    PROBE_FIRST,
+    SHADOW_EVERY,
+    SHADOW_EVERY_MAX,
+    STALE_ROUND_TOKENS,
+    WIDE_EVERY,
+)
+from proxy.tree import DraftDistribution, build_chain, build_tree
 
 
 def test_cost_model_recovers_the_coefficients_and_follows_a_change():
@@ -30,6 +39,23 @@ def test_cost_model_recovers_the_coefficients_and_follows_a_change():
     )
 
 
+def test_cost_model_does_not_wind_up_on_calls_of_one_size():
+    # Thousands of one-prompt calls (plain streams' openings) and no other size: the
+    # fit cannot tell per-call from per-prompt cost, but must stay finite and right
+    # where it has seen data.
+    costs = CostModel()
+    rng = np.random.default_rng(3)
+    for _ in range(4000):
+        tokens = rng.integers(1, 200)
+        costs.observe_call(1, tokens, 0.050 + 0.0001 * tokens + rng.normal(0, 0.001))
+    one, nine = costs.call_seconds(np.array([1, 9]), np.array([100, 100]))
+    assert one == pytest.approx(0.060, abs=0.002)
+    assert 0.055 < nine < 9 * 0.060
+    snap = costs.snapshot()
+    assert snap.per_token_s == pytest.approx(0.0001, rel=0.1)
+    assert min(snap.per_call_s, snap.per_prompt_s, snap.per_token_s) >= 0
+
+
 def test_cost_model_plain_latency():
     costs = CostModel()
     assert costs.plain_seconds(10) is None
@@ -38,22 +64,47 @@ def test_cost_model_plain_latency():
     assert costs.plain_seconds(10) == pytest.approx(0.020 + 9 * 0.005)
 
 
-def test_calibration_learns_an_overconfident_drafter():
-    calibration = Calibration()
-    log_p = np.log(np.full(400, 0.8))
-    # Before any evidence: the drafter's own probability.
-    assert calibration.acceptance(log_p[:1])[0] == pytest.approx(0.8)
-    rng = np.random.default_rng(1)
-    calibration.observe(log_p, rng.random(400) < 0.3)  # really accepted 30% of the time
-    assert calibration.acceptance(log_p[:1])[0] == pytest.approx(0.3, abs=0.06)
-
-
 def _tree(top_p: float, budget: int = 16, depth: int = 6):
     """A tree whose rank-0 tokens carry probability top_p at every depth."""
     rest = (1 - top_p) / (budget - 1)
     probs = np.array([top_p] + [rest] * (budget - 1))
     ids = np.tile(np.arange(budget, dtype=np.int64), (depth, 1)) + 10
     return build_tree(5, DraftDistribution(ids, np.tile(np.log(probs), (depth, 1))), budget, depth)
+
+
+def _chain(depth: int):
+    """A chain the drafter is sure of: probability 1 at every depth (an n-gram match)."""
+    ids = np.arange(depth, dtype=np.int64)[:, None] + 10
+    return build_chain(5, DraftDistribution(ids, np.zeros((depth, 1))), depth)
+
+
+def test_calibration_learns_an_overconfident_drafter_edge_by_edge():
+    calibration = Calibration()
+    chain = _chain(6)
+    # Before any evidence: the drafter's own probability (1 along the whole chain).
+    assert calibration.acceptance(chain) == pytest.approx(np.ones(6))
+    # Really, each token is right 60% of the time given the one before: the walk stops
+    # at the first miss, so deeper nodes are seen less often.
+    rng = np.random.default_rng(1)
+    for _ in range(400):
+        accepted = int(np.argmin(np.append(rng.random(6) < 0.6, False)))
+        calibration.observe(chain, list(range(1, accepted + 1)))
+    # A node is accepted when every edge on its path is: 0.6, 0.36, ... -- where a
+    # calibration by path probability would give every depth the same rate.
+    [(upper, rate, weight)] = calibration.table()
+    assert upper == 1.0 and rate == pytest.approx(0.6, abs=0.05) and weight > 400
+    assert calibration.acceptance(chain) == pytest.approx(
+        calibration.edge_acceptance(np.zeros(1))[0] ** np.arange(1, 7)
+    )
+
+
+def test_calibration_keeps_the_drafters_order_within_a_tree():
+    calibration = Calibration()
+    tree = _tree(0.7)
+    acceptance = calibration.acceptance(tree)
+    # Best-first order: path probability, and so prior acceptance, never rises.
+    assert np.all(np.diff(acceptance) <= 1e-12)
+    assert acceptance[0] == pytest.approx(0.7)
 
 
 def _trained_state(per_call, per_prompt, per_token, plain_token_s=None, round_rate=None):
@@ -79,10 +130,124 @@ def test_controller_verifies_more_nodes_when_nodes_are_cheap():
 def test_controller_verifies_the_root_alone_when_drafts_never_land():
     state = _trained_state(0.010, 0.002, 0.0)
     tree = _tree(0.9)
-    state.calibration.observe(tree.path_log_probs[1:], np.zeros(tree.num_nodes, dtype=bool))
     for _ in range(30):
-        state.calibration.observe(tree.path_log_probs[1:], np.zeros(tree.num_nodes, dtype=bool))
-    assert state.controller(can_stream=False, seeded=False).choose_nodes(tree, 1) == 0
+        state.calibration.observe(tree, [])  # not one node accepted
+    controller = state.controller(can_stream=False, seeded=False)
+    choices = [controller.choose_nodes(tree, 1) for _ in range(2 * WIDE_EVERY)]
+    # ...but every WIDE_EVERY-th round the whole tree, so that the fit keeps seeing
+    # calls of different sizes.
+    assert choices == ([0] * (WIDE_EVERY - 1) + [tree.num_nodes]) * 2
+
+
+def test_one_round_without_a_draft_does_not_step_aside():
+    # Plain generation at 80 tokens/s; this runtime's rounds have made 150.
+    state = _trained_state(0.030, 0.002, 0.0, plain_token_s=1 / 80, round_rate=150.0)
+    controller = state.controller(can_stream=True, seeded=False)
+    controller.start()
+    assert not controller.plain
+    switched = []
+    for _ in range(5):  # rounds that find no draft: 1 token in 50 ms
+        controller.choose_nodes(_tree(0.2), 1)
+        controller.observe_rate(1, 0.050)
+        switched.append(controller.plain)
+    # Smoothed: 124, 103, 87, 73, 63 tokens/s; plain is 10% faster than the last only.
+    assert switched == [False, False, False, False, True]
+    assert controller.num_switches_to_plain == 1
+
+
+def test_a_load_every_request_sees_sends_each_to_plain():
+    # Plain generation at 80 tokens/s; this request's rounds make 150.
+    state = _trained_state(0.030, 0.002, 0.0, plain_token_s=1 / 80, round_rate=150.0)
+    controller = state.controller(can_stream=True, seeded=False)
+    controller.start()
+    controller.choose_nodes(_tree(0.9), 1)
+    controller.observe_rate(6, 0.040)
+    assert not controller.plain
+    # Fifteen other clients arrive: everyone's rounds now make 20 tokens/s.
+    for _ in range(16):
+        state.costs.observe_round(1, 0.050, 0.0)
+    controller.choose_nodes(_tree(0.9), 1)
+    controller.observe_rate(6, 0.040)  # its own text is as good as ever...
+    assert controller.plain  # ...but the load decides
+
+
+def test_an_old_round_rate_does_not_decide_the_start():
+    state = _trained_state(0.030, 0.002, 0.0, plain_token_s=1 / 80, round_rate=150.0)
+    fresh = state.controller(can_stream=True, seeded=False)
+    fresh.start()
+    assert not fresh.plain  # rounds made 150 tokens/s, plain makes 80
+    # Then plain generation only, for longer than STALE_ROUND_TOKENS: the round rate
+    # may describe another load now.
+    state.costs.observe_plain(1 / 80, [1 / 80] * STALE_ROUND_TOKENS)
+    old = state.controller(can_stream=True, seeded=False)
+    old.start()
+    assert old.plain
+
+
+def test_real_rounds_correct_the_predictions():
+    state = _trained_state(0.030, 0.002, 0.0, plain_token_s=0.005)
+    controller = state.controller(can_stream=False, seeded=False)
+    tree = _tree(0.9)
+    before = controller._round_rates(tree, 1)
+    for _ in range(40):  # rounds return half the tokens predicted, in the predicted time
+        controller.choose_nodes(tree, 1)
+        tokens, seconds = controller._predicted
+        controller.observe_rate(round(tokens / 2), seconds)
+    assert state.costs.prediction_ratio() == pytest.approx(0.5, abs=0.1)
+    assert controller._round_rates(tree, 1) == pytest.approx(
+        state.costs.prediction_ratio() * before
+    )
+
+
+def test_a_stale_plain_estimate_is_measured_again():
+    # Plain generation was last measured under load: 20 tokens/s; rounds make 100.
+    state = _trained_state(0.010, 0.001, 0.0, plain_token_s=0.050, round_rate=100.0)
+    controller = state.controller(can_stream=True, seeded=False)
+    controller.start()
+    assert not controller.plain
+
+    def speculate(num_rounds: int) -> None:
+        for _ in range(num_rounds):
+            assert not controller.next_is_plain()
+            controller.choose_nodes(_tree(0.9), 1)
+            state.costs.observe_round(5, 0.050, 0.0)
+            controller.observe_rate(5, 0.050)
+
+    def plain_probe(gap_s: float) -> bool:
+        assert controller.plain_length(1000) == PLAIN_PROBE_TOKENS
+        state.costs.observe_plain(gap_s, [gap_s] * (PLAIN_PROBE_TOKENS - 1))
+        committed = list(range(10, 20))
+        ends = []
+        for token in range(PLAIN_PROBE_TOKENS):
+            committed.append(token)
+            ends.append(controller.observe_plain_tokens(committed, 1))
+        assert ends == [False] * (PLAIN_PROBE_TOKENS - 1) + [True]
+        return controller.next_is_plain()  # who won
+
+    speculate(PLAIN_PROBE_FIRST)
+    assert controller.next_is_plain()  # the estimate is stale: a short plain stream
+    assert not plain_probe(0.050)  # still 20 tokens/s: back to speculation...
+    speculate(2 * PLAIN_PROBE_FIRST)  # ...and the next probe waits twice as long
+    assert controller.next_is_plain()
+    assert plain_probe(0.002)  # the load has gone: 500 tokens/s, the request stays plain
+    assert controller.plain and controller.num_switches_to_plain == 1
+
+
+def test_shadows_thin_out_while_far_from_paying():
+    # Plain makes 200 tokens/s, rounds 50.
+    state = _trained_state(0.030, 0.002, 0.0, plain_token_s=0.005, round_rate=50.0)
+    controller = state.controller(can_stream=True, seeded=False)
+    controller.start()
+    assert controller.plain and controller.shadow_every == SHADOW_EVERY
+    weak = _tree(0.2)
+    committed = [1, 2, 3, 5]
+    intervals = []
+    for _ in range(4):  # shadows whose tokens never come: 1 token a round, ~30 tokens/s
+        controller.add_shadow(weak, len(committed), 1)
+        committed += [900 + len(committed) + i for i in range(weak.max_depth + 1)]
+        controller.observe_plain_tokens(committed, weak.max_depth + 1)
+        intervals.append(controller.shadow_every)
+    assert intervals == [2 * SHADOW_EVERY, 4 * SHADOW_EVERY, SHADOW_EVERY_MAX, SHADOW_EVERY_MAX]
 
 
 def test_controller_steps_aside_probes_and_comes_back():
@@ -92,8 +257,10 @@ def test_controller_steps_aside_probes_and_comes_back():
     controller.start()
     weak = _tree(0.2)
     controller.choose_nodes(weak, 1)
+    controller.observe_rate(1, 0.032)  # the root alone, one 32 ms call: 31 tokens/s
     assert controller.plain and controller.num_switches_to_plain == 1
     assert controller.next_is_plain()
+    assert controller.plain_length(1000) == PROBE_FIRST  # the stream ends at the probe
     # Unpredictable text: the stream runs until a probe is due, then one real round...
     committed = list(range(100, 110))
     left_at = None
@@ -104,6 +271,7 @@ def test_controller_steps_aside_probes_and_comes_back():
             break
     assert left_at == PROBE_FIRST and not controller.next_is_plain()
     controller.choose_nodes(weak, 1)  # the probe round: plain still wins
+    controller.observe_rate(1, 0.032)
     assert controller.plain and controller.next_is_plain()
     # ...and the next probe comes after twice as many plain tokens.
     left = [controller.observe_plain_tokens(committed, 1) for _ in range(2 * PROBE_FIRST)]
@@ -120,19 +288,6 @@ def test_controller_steps_aside_probes_and_comes_back():
         leaves.append(controller.observe_plain_tokens(committed, len(path) + 1))
     assert leaves == [False, True]  # two shadow rounds make the prediction
     assert not controller.plain and controller.num_switches_to_speculation == 1
-
-
-def test_plain_chunks_double_and_a_seeded_request_takes_the_rest_at_once():
-    state = _trained_state(0.030, 0.002, 0.0, plain_token_s=0.005)
-    controller = state.controller(can_stream=True, seeded=False)
-    assert [controller.plain_chunk(1000) for _ in range(5)] == [
-        FIRST_CHUNK, 2 * FIRST_CHUNK, 4 * FIRST_CHUNK, MAX_CHUNK, MAX_CHUNK
-    ]
-    assert controller.plain_chunk(10) == 10
-    controller.choose_nodes(_tree(0.2), 1)  # steps aside: chunks start small again
-    assert controller.plain and controller.plain_chunk(1000) == FIRST_CHUNK
-    seeded = state.controller(can_stream=True, seeded=True)
-    assert seeded.plain_chunk(1000) == 1000
 
 
 def test_seeded_requests_are_plain_from_start_to_end():

@@ -40,7 +40,7 @@ class Scripted(Controller):
         self._go_plain()
         return tree.num_nodes if self._nodes is None else min(self._nodes, tree.num_nodes)
 
-    def plain_chunk(self, remaining: int) -> int:
+    def plain_length(self, remaining: int) -> int:
         return min(self._script_chunk, remaining)
 
     def observe_plain_tokens(self, committed: list[int], num_new: int) -> bool:
@@ -83,8 +83,8 @@ async def _detokenize(token_ids: list[int]) -> str:
      ("autoregressive", True, True), ("autoregressive", False, False)],
 )  # fmt: skip
 def test_greedy_output_equals_vllm_across_switches(vllm_server, drafter_name, plain_first, stream):
-    """`stream`: plain generation streamed (closed after 5 tokens), or in one chunk per
-    call (a non-streaming client's)."""
+    """`stream`: the client streams (plain tokens handed on as they come) or not (in
+    pieces); plain streams of 5 tokens."""
     prompts = [[1 + (i * 37 + j * 11) % 240 for j in range(20 + 13 * i)] for i in range(6)]
     prompts.append([7, 8, 9, 7, 8, 9, 7, 8, 9, 7, 8])  # repetitive: ngram drafts land
     max_tokens = 40
@@ -138,8 +138,7 @@ def test_unseeded_sampling_with_switches_matches_vllm(vllm_server):
         state = ScriptedState(plain_first=plain_first, num_nodes=0, chunk=1)
         target = await VLLMTarget.connect(vllm_server.url, model_dir=vllm_server.model_dir)
         semaphore = asyncio.Semaphore(16)
-        # Non-streaming plain chunks: exactly one token each (a stream may bring two
-        # tokens in one event).
+        # Plain streams of exactly one token (`plain_length`).
         request = GenerationRequest(prompt, 2, sampling=params, ignore_eos=True, stream=False)
 
         async def one():
@@ -183,7 +182,7 @@ def test_served_default_policy_is_lossless_and_exposes_its_costs(vllm_server):
     from proxy.server.settings import ServerSettings
 
     prompts = [[3 + (i * 19 + j * 7) % 240 for j in range(30 + 9 * i)] for i in range(8)]
-    max_tokens = 96  # longer than a plain chunk: the policy decides more than once
+    max_tokens = 96  # longer than a probe interval: the policy decides more than once
     expected = vllm_server.complete_greedy(prompts, max_tokens)
     settings = ServerSettings(target_url=vllm_server.url, drafter="ngram")
     assert settings.tree.policy == "adaptive"
@@ -206,5 +205,10 @@ def test_served_default_policy_is_lossless_and_exposes_its_costs(vllm_server):
         assert ours["choices"][0]["token_ids"] == theirs["choices"][0]["token_ids"]
         assert ours["usage"]["ddtree"]["plain_tokens"] == ours["usage"]["completion_tokens"]
         metrics = httpx.get(proxy.url + "/metrics").text
-    for parameter in ("per_call_s", "per_prompt_s", "plain_token_s", "num_calls"):
+    for parameter in ("per_call_s", "per_prompt_s", "plain_token_s", "num_calls",
+                      "prediction_ratio"):  # fmt: skip
         assert f'ddtree_cost_model{{parameter="{parameter}"}}' in metrics, parameter
+    # The drafts seen so far (verified or shadow) are on the calibration table.
+    calibration = [line for line in metrics.splitlines()
+                   if line.startswith("ddtree_drafter_calibration{edge_probability=")]  # fmt: skip
+    assert calibration, metrics

@@ -5,18 +5,28 @@ best-first heap pops nodes in falling path probability, its first n nodes are th
 tree a budget of n would build (`DraftTree.prefix`). For every n the controller
 predicts the tokens the round returns, 1 + sum of the calibrated acceptance of the
 first n nodes, and its cost, the drafting overhead plus the fitted call latency for
-n + 1 prompts; it verifies the n with the most tokens per second.
+n + 1 prompts; it verifies the n with the most tokens per second. Every real round is
+compared with its prediction; the ratio (summed over recent rounds) corrects the rates
+that are compared with plain generation's.
 
 Plain generation is the alternative: for a target that can stream (vLLM), the rest of
 the output is asked of the target in one stream. The controller steps aside when the
-best round's expected rate falls below plain generation's. During the stream the
+request's measured round rate, smoothed over its recent rounds (`RATE_EWMA`), falls
+`LEAVE_MARGIN` below plain generation's -- not on one round: a round without a draft (an n-gram
+drafter that finds no match) says little about the next. During the stream the
 drafter proposes shadow trees, walked along the tokens that really came (no target
 call): they keep the calibration current and predict what speculation would give.
 The stream is closed, and the request goes back to speculation, as soon as the recent
-shadows predict a rate `RETURN_MARGIN` above plain's (hysteresis). After
+shadows predict a rate `RETURN_MARGIN` above plain's (hysteresis; two shadows at least,
+or one that predicts `SURE_MARGIN` times plain's rate). After
 `PROBE_FIRST` plain tokens (doubling up to `PROBE_MAX` while plain keeps winning) the
 stream is closed for one real round, which refreshes the verification costs, and a
-new stream goes on if plain still wins. A target that cannot stream (engine mode)
+new stream goes on (only shadows bring the request back). The other way round, plain
+generation's estimate is only refreshed while it runs: once it is `PLAIN_PROBE_FIRST`
+real rounds old (all requests together; doubling while speculation keeps winning), one
+speculating request takes a plain probe of `PLAIN_PROBE_TOKENS` tokens, and stays plain
+if plain now beats its rounds -- otherwise a load that has gone away would leave the
+policy speculating against a plain rate measured under that load. A target that cannot stream (engine mode)
 just verifies fewer nodes, down to the root alone.
 
 A seeded request never switches: plain generation draws with vLLM's own seeded
@@ -39,17 +49,25 @@ from proxy.adaptive.costs import CostModel
 from proxy.tree import DraftTree, walk
 
 MIN_CALLS = 4  # verification calls to see before the fit is trusted
+WIDE_EVERY = 8  # every 8th round of a request verifies the whole tree (keeps the fit honest)
+RATE_EWMA = 0.2  # weight of the newest round in a request's smoothed round rate
+LEAVE_MARGIN = 1.25  # to plain only when it is 25% faster than the recent rounds
 RETURN_MARGIN = 1.1  # back to speculation only when it is predicted 10% faster
-SHADOW_EVERY = 8  # plain tokens between two shadow rounds
+SURE_MARGIN = 2.0  # ...on the mean of two shadows, or one shadow predicting twice plain's
+SHADOW_EVERY = 8  # plain tokens between two shadow rounds...
+SHADOW_EVERY_MAX = 64  # ...doubling up to this while shadows predict under half of plain
 SHADOW_WINDOW = 4  # recent shadow rounds whose mean predicts speculation's rate
 EXPLORE_TOKENS = 16  # plain tokens between two exploring rounds, until the fit has data
 PROBE_FIRST = 64  # plain tokens before the first probe round; doubles up to PROBE_MAX
 PROBE_MAX = 512
 PLAIN_RATE_TOKENS = 64  # the stream length over which plain's first-token wait is spread
-# Plain chunks for a client that does not stream: 32 tokens, doubling while plain wins.
-FIRST_CHUNK = 32
-MAX_CHUNK = 256
-MAX_CHUNK_SHADOWS = 4  # shadow rounds within one chunk (each is a drafter call)
+STALE_ROUND_TOKENS = 256  # plain tokens (all requests) after which the round rate is old
+# While speculating: a plain probe of PLAIN_PROBE_TOKENS tokens once the plain estimate
+# is PLAIN_PROBE_FIRST real rounds old (all requests), doubling up to PLAIN_PROBE_MAX
+# while speculation keeps winning.
+PLAIN_PROBE_TOKENS = 8
+PLAIN_PROBE_FIRST = 64
+PLAIN_PROBE_MAX = 1024
 
 
 @dataclass
@@ -90,9 +108,13 @@ class Controller:
         self._num_explored = 0
         self._plain_since_round = 0  # plain tokens since the last real round
         self._probe_after = PROBE_FIRST
-        self._chunk = FIRST_CHUNK
         self._shadows: list[Shadow] = []
         self._shadow_rates: list[float] = []
+        self._rate: float | None = None  # smoothed measured rate of this request's rounds
+        self._predicted: tuple[float, float] | None = None  # (tokens, seconds) of this round
+        self._plain_probe: int | None = None  # plain tokens so far of a running plain probe
+        self._num_chosen = 0  # rounds sized by the fit
+        self.shadow_every = SHADOW_EVERY  # plain tokens between two shadow rounds now
         # Decisions made, for usage.ddtree and /metrics.
         self.num_switches_to_plain = 0
         self.num_switches_to_speculation = 0
@@ -101,15 +123,19 @@ class Controller:
 
     def start(self) -> None:
         """Pick the first path: plain when the last measurements say speculation does
-        not pay, or (unseeded) when plain generation was never measured: it is never
-        slower than the target alone."""
+        not pay or are old, or (unseeded) when plain generation was never measured: it
+        is never slower than the target alone."""
         if not self.can_stream:
             return
         plain_rate = self._plain_rate()
         if plain_rate is None or self.seeded:
             self.plain = True
         elif self._trusted():
-            self.plain = self.costs.recent_round_rate() < plain_rate
+            # A round rate measured `STALE_ROUND_TOKENS` plain tokens ago may come from
+            # another load (16 clients then, 1 now, or the other way): start plain, and
+            # let the shadows judge speculation on this text at this load.
+            stale = self.costs.plain_tokens_since_round > STALE_ROUND_TOKENS
+            self.plain = stale or self.costs.recent_round_rate() < plain_rate
 
     # ----- speculating ----------------------------------------------------------
 
@@ -124,43 +150,84 @@ class Controller:
             if self._num_explored % 2:
                 return tree.num_nodes
             return min(tree.num_nodes, max(1, tree.num_nodes // 4))
-        rates = self._round_rates(tree, new_tokens)
-        best = int(np.argmax(rates))
-        plain_rate = self._plain_rate()
-        if plain_rate is not None and not self.seeded:
-            if self.plain and rates[best] > RETURN_MARGIN * plain_rate:
-                self._go_speculative()  # a probe round found speculation paying again
-            elif not self.plain and rates[best] < plain_rate:
-                self._go_plain()
+        tokens, seconds = self._round_prediction(tree, new_tokens)
+        best = int(np.argmax(tokens / seconds))
+        self._num_chosen += 1
+        if self._num_chosen % WIDE_EVERY == 0:
+            # Now and then the whole tree: rounds of one size only would leave the fit
+            # unable to tell per-call from per-prompt cost, and a per-prompt cost once
+            # overestimated (under load) would keep every later tree small.
+            best = tree.num_nodes
+        self._predicted = (float(tokens[best]), float(seconds[best]))
         return best
 
     def observe_round(self, tree: DraftTree, accepted_nodes: list[int]) -> None:
         """A verified (or shadow) round: which of its nodes were accepted."""
-        if tree.num_nodes:
-            accepted = np.zeros(tree.num_nodes, dtype=bool)
-            accepted[np.asarray(accepted_nodes, dtype=np.int64) - 1] = True
-            self.calibration.observe(tree.path_log_probs[1:], accepted)
+        self.calibration.observe(tree, accepted_nodes)
+
+    def observe_rate(self, num_tokens: int, seconds: float) -> None:
+        """A real round's measured rate (tokens it committed, its wall time). Speculation
+        steps aside when the request's recent rounds, smoothed, fall below plain
+        generation's rate: one round without a draft says little about the next."""
+        if seconds <= 0:
+            return
+        if self._predicted is not None:
+            self.costs.observe_prediction(*self._predicted, num_tokens, seconds)
+            self._predicted = None
+        rate = num_tokens / seconds
+        prior = self._rate if self._rate is not None else self.costs.recent_round_rate()
+        self._rate = rate if not np.isfinite(prior) else (1 - RATE_EWMA) * prior + RATE_EWMA * rate
+        if not self.plain and self._leave_for(self._plain_rate()):
+            self._go_plain()
+
+    def _leave_for(self, plain_rate: float | None) -> bool:
+        """Does plain generation beat the recent rounds by `LEAVE_MARGIN` -- this
+        request's (its text), or all requests' (the load now), whichever is lower? Every
+        client adds to the second: when 16 arrive where 1 was, it falls within one
+        round each, where each request's own would take several."""
+        if self.seeded or plain_rate is None or not self._trusted():
+            return False
+        everyone = self.costs.recent_round_rate()
+        rate = everyone if self._rate is None else min(self._rate, everyone)
+        return rate * LEAVE_MARGIN < plain_rate
 
     # ----- plain ----------------------------------------------------------------
 
     def next_is_plain(self) -> bool:
-        """Plain generation next? (A probe, when due, is one real round in between.)"""
+        """Plain generation next? (A probe, when due, is one real round in between --
+        or, while speculating, one short plain stream.)"""
+        if self._plain_probe is not None:  # a plain probe has just ended: who won?
+            self._plain_probe = None
+            if self._leave_for(self._plain_rate()):
+                self.costs.plain_won_probe(PLAIN_PROBE_FIRST)
+                self._go_plain()
+                return True
+            return False
         if not self.plain:
+            if (
+                self.can_stream
+                and not self.seeded
+                and self._trusted()
+                and self.costs.claim_plain_probe(PLAIN_PROBE_FIRST, PLAIN_PROBE_MAX)
+            ):
+                self._plain_probe = 0
+                return True
             return False
         if self._probe_due:
             self._probe_due = False
             return False
         return True
 
-    def plain_chunk(self, remaining: int) -> int:
-        """Tokens to ask for at once when the client does not stream: chunks double
-        while plain keeps winning (closing a chunk early is not possible). A seeded
-        request takes the rest in one call: re-seeding each chunk would not give vLLM's
-        own draws."""
+    def plain_length(self, remaining: int) -> int:
+        """Tokens to ask one plain stream for: the rest of the output, or (unseeded) up
+        to the next probe round -- the stream then ends there by itself, where closing
+        it would make vLLM compute tokens nobody reads until the abort arrives."""
         if self.seeded:
             return remaining
-        chunk, self._chunk = self._chunk, min(2 * self._chunk, MAX_CHUNK)
-        return min(chunk, remaining)
+        if self._plain_probe is not None:
+            return min(remaining, PLAIN_PROBE_TOKENS)
+        limit = self._probe_after if self._trusted() else EXPLORE_TOKENS
+        return max(1, min(remaining, limit - self._plain_since_round))
 
     def add_shadow(self, tree: DraftTree, start: int, new_tokens: int) -> None:
         self._shadows.append(Shadow(tree, start, new_tokens))
@@ -178,20 +245,34 @@ class Controller:
             actual = committed[shadow.start : shadow.start + span]
             result = walk(shadow.tree, _target_tokens_along(shadow.tree, actual))
             self.observe_round(shadow.tree, result.accepted_nodes)
-            rates = self._round_rates(shadow.tree, shadow.new_tokens)
-            self._shadow_rates = [*self._shadow_rates, float(np.max(rates))][-SHADOW_WINDOW:]
+            rate = float(np.max(self._round_rates(shadow.tree, shadow.new_tokens)))
+            self._shadow_rates = [*self._shadow_rates, rate][-SHADOW_WINDOW:]
+            plain_rate = self._plain_rate()
+            if plain_rate is not None and rate < plain_rate / 2:
+                # Far from paying: fewer drafter calls (on a small host, the proxy's own
+                # work per plain token competes with the upstream for the CPU).
+                self.shadow_every = min(2 * self.shadow_every, SHADOW_EVERY_MAX)
+            else:
+                self.shadow_every = SHADOW_EVERY
         self._shadows = waiting
         if self.seeded:
             return False  # one path for the whole request
+        if self._plain_probe is not None:
+            self._plain_probe += num_new
+            return self._plain_probe >= PLAIN_PROBE_TOKENS
         self._plain_since_round += num_new
         plain_rate = self._plain_rate()
+        shadows = self._shadow_rates
         if (
             self._trusted()
             and plain_rate is not None
-            and len(self._shadow_rates) >= 2
-            and float(np.mean(self._shadow_rates)) > RETURN_MARGIN * plain_rate
+            and shadows
+            and (
+                (len(shadows) >= 2 and float(np.mean(shadows)) > RETURN_MARGIN * plain_rate)
+                or shadows[-1] > SURE_MARGIN * plain_rate
+            )
         ):
-            self._go_speculative()
+            self._go_speculative(float(np.mean(shadows)))
             return True
         limit = self._probe_after if self._trusted() else EXPLORE_TOKENS
         if self._plain_since_round >= limit:
@@ -217,24 +298,33 @@ class Controller:
         self.num_switches_to_plain += 1
         self._probe_due = False
         self._probe_after = PROBE_FIRST
-        self._chunk = FIRST_CHUNK
         self._shadow_rates = []
 
-    def _go_speculative(self) -> None:
+    def _go_speculative(self, predicted_rate: float | None = None) -> None:
+        """Back to speculation; the request's smoothed round rate restarts at the rate
+        that the decision predicted (the rounds before the switch described other text)."""
         self.plain = False
         self.num_switches_to_speculation += 1
         self._shadows = []
         self._shadow_rates = []
+        self._rate = predicted_rate
 
-    def _round_rates(self, tree: DraftTree, new_tokens: int) -> np.ndarray:
-        """[num_nodes + 1] expected tokens per second when verifying the first n nodes."""
-        accept = self.calibration.acceptance(tree.path_log_probs[1:])
+    def _round_prediction(self, tree: DraftTree, new_tokens: int):
+        """([num_nodes + 1] expected tokens, [num_nodes + 1] predicted seconds) of a round
+        that verifies the first n nodes, n = 0 .. num_nodes."""
+        accept = self.calibration.acceptance(tree)
         tokens = 1.0 + np.concatenate([[0.0], np.cumsum(accept)])
         num_prompts = np.arange(1, tree.num_nodes + 2)
         path_tokens = np.concatenate([[0], np.cumsum(tree.depths[1:])])
         seconds = self.costs.call_seconds(num_prompts, num_prompts * new_tokens + path_tokens)
         seconds = seconds + self.costs.round_overhead_s()
-        return tokens / np.maximum(seconds, 1e-6)
+        return tokens, np.maximum(seconds, 1e-6)
+
+    def _round_rates(self, tree: DraftTree, new_tokens: int) -> np.ndarray:
+        """[num_nodes + 1] expected tokens per second when verifying the first n nodes,
+        corrected by how real rounds compared with their predictions."""
+        tokens, seconds = self._round_prediction(tree, new_tokens)
+        return self.costs.prediction_ratio() * tokens / seconds
 
     def _plain_rate(self) -> float | None:
         if not self.can_stream:

@@ -534,12 +534,11 @@ class VLLMSession:
         return None  # no features over HTTP; vLLM's prefix cache keeps the context
 
     async def plain(
-        self, committed: Sequence[int], max_tokens: int, stream: bool = True
+        self, committed: Sequence[int], max_tokens: int
     ) -> AsyncIterator[tuple[list[int], list[float] | None]]:
         """Plain generation: vLLM's own decoding of up to `max_tokens` tokens after
-        `committed`; yields (token ids, their log-probs or None) as they come: streamed,
-        or (`stream=False`, cheaper for vLLM when nobody reads tokens one by one) all in
-        one answer. Closing a stream early closes it, and vLLM aborts the request.
+        `committed`, streamed; yields (token ids, their log-probs or None) as they come.
+        Closing the stream early closes it, and vLLM aborts the request.
         EOS is ignored here: the output processor decides where the output stops. The
         client's seed is vLLM's own, so a request that is plain from its first token
         draws exactly what vLLM alone would."""
@@ -548,11 +547,6 @@ class VLLMSession:
             body["seed"] = self.params.seed
         self.counters.upstream_calls += 1
         self.counters.verify_prompt_tokens += len(committed)
-        if not stream:
-            # Idempotent like verification (greedy, seeded, or an unused draw): retried.
-            answer = await self.target.http.request_json("POST", "/v1/completions", body)
-            yield self._plain_choice(answer)
-            return
         body["stream"] = True
         async for event in self.target.http.stream_events("/v1/completions", body):
             tokens, logprobs = self._plain_choice(event)

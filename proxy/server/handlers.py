@@ -238,7 +238,8 @@ class Handlers:
 
     def metrics_text(self) -> Response:
         if self._runtime is not None:
-            self.metrics.set_costs(self._runtime.adaptive.costs.snapshot())
+            adaptive = self._runtime.adaptive
+            self.metrics.set_adaptive(adaptive.costs.snapshot(), adaptive.calibration.table())
         return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 

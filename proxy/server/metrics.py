@@ -129,6 +129,14 @@ class ServerMetrics:
             ["parameter"],
             registry=registry,
         )
+        self.calibration = Gauge(
+            "ddtree_drafter_calibration",
+            "The drafter's calibration: observed acceptance of a drafted token whose "
+            "conditional draft probability is at most edge_probability (and above the next "
+            "bin's), from verified and shadow rounds",
+            ["edge_probability"],
+            registry=registry,
+        )
         self.active = Gauge(
             "ddtree_active_requests", "Generation requests being served", registry=registry
         )
@@ -152,10 +160,15 @@ class ServerMetrics:
         self.draft_seconds.observe(stats.draft_s + stats.tree_s)
         self.verify_seconds.observe(stats.verify_s)
 
-    def set_costs(self, costs: CostSnapshot) -> None:
+    def set_adaptive(
+        self, costs: CostSnapshot, calibration: list[tuple[float, float, float]]
+    ) -> None:
+        """What the adaptive policy has learnt: the cost model and the calibration table."""
         for name, value in vars(costs).items():
             if value is not None:
                 self.cost.labels(name).set(value)
+        for upper, rate, _weight in calibration:
+            self.calibration.labels(f"{upper:.3g}").set(rate)
 
 
 class DrafterCollector:
