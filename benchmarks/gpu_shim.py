@@ -10,7 +10,8 @@ answers: a shim can only add latency):
   per_call + per_prompt * n + max(decode_step, per_token * recomputed tokens), plus one
   decode_step per further token when max_tokens > 1 (the n prompts decode as a batch);
 * a stream: its first token after per_call + max(decode_step, per_token * recomputed),
-  every later token one decode_step after the one before.
+  token i one decode_step after token i - 1 was due (a token vLLM-CPU delivers later
+  goes out when it comes, without pushing the next ones back).
 
 `recomputed` = prompt tokens past the longest block-aligned prefix this shim has seen
 before (a model of vLLM's prefix cache, block 16 as on GPU backends).
@@ -121,12 +122,15 @@ def create_shim(upstream_url: str, profile: Profile) -> Starlette:
             return Response(content, response.status_code, media_type="application/json")
 
         async def events():
+            # Token i is due at first_s + i decode steps: a token vLLM-CPU delivers late
+            # goes out when it comes, and does not push the later ones back (a GPU
+            # keeps stepping), as a non-streaming answer waits for max(profile, vLLM).
             due = start + first_s
             try:
                 async for line in response.aiter_lines():
                     if line.startswith("data: ") and '"token_ids"' in line:
                         await _sleep_until(due)
-                        due = max(due, time.perf_counter()) + profile.decode_step_s
+                        due += profile.decode_step_s
                     yield (line + "\n").encode()
             finally:
                 await response.aclose()
@@ -151,7 +155,28 @@ def create_shim(upstream_url: str, profile: Profile) -> Starlette:
     return Starlette(routes=routes)
 
 
+def main(argv: list[str] | None = None) -> int:
+    """Serve the shim in its own process (an upstream is one: in the benchmark's process
+    the shim's per-token pacing and the proxy's event handling would share one GIL)."""
+    import argparse
+
+    import uvicorn
+
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.gpu_shim", description=__doc__)
+    parser.add_argument("--upstream", required=True, help="the vLLM server's URL")
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--scale", type=float, default=3.0)
+    args = parser.parse_args(argv)
+    app = create_shim(args.upstream, dense27b_h200().scaled(args.scale))
+    uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning")
+    return 0
+
+
 async def _sleep_until(deadline: float) -> None:
     delay = deadline - time.perf_counter()
     if delay > 0:
         await asyncio.sleep(delay)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
