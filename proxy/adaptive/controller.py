@@ -166,9 +166,10 @@ class Controller:
         self.calibration.observe(tree, accepted_nodes)
 
     def observe_rate(self, num_tokens: int, seconds: float) -> None:
-        """A real round's measured rate (tokens it committed, its wall time). Speculation
-        steps aside when the request's recent rounds, smoothed, fall below plain
-        generation's rate: one round without a draft says little about the next."""
+        """A real round's measured rate (tokens it committed, its wall time), and its
+        prediction's error. Speculation steps aside when the recent rounds, smoothed,
+        fall `LEAVE_MARGIN` below plain generation's rate (`_leave_for`): one round
+        without a draft says little about the next."""
         if seconds <= 0:
             return
         if self._predicted is not None:
