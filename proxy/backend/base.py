@@ -103,8 +103,10 @@ class TargetSession(Protocol):
     async def aclose(self) -> None: ...
 
     # Targets with `can_stream` also give sessions
-    #   plain(committed, max_tokens) -> AsyncIterator[(token ids, log-probs or None)]:
-    # the target's own decoding after `committed`, streamed, EOS ignored.
+    #   plain(committed, max_tokens, stream=True)
+    #       -> AsyncIterator[(token ids, log-probs or None)]:
+    # the target's own decoding after `committed`, EOS ignored: streamed, or (stream
+    # False) as one answer.
 
 
 class Target(Protocol):

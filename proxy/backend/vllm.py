@@ -534,19 +534,26 @@ class VLLMSession:
         return None  # no features over HTTP; vLLM's prefix cache keeps the context
 
     async def plain(
-        self, committed: Sequence[int], max_tokens: int
+        self, committed: Sequence[int], max_tokens: int, stream: bool = True
     ) -> AsyncIterator[tuple[list[int], list[float] | None]]:
         """Plain generation: vLLM's own decoding of up to `max_tokens` tokens after
-        `committed`, streamed; yields (token ids, their log-probs or None) as they come.
-        Closing the stream early closes it, and vLLM aborts the request.
-        EOS is ignored here: the output processor decides where the output stops. The
-        client's seed is vLLM's own, so a request that is plain from its first token
-        draws exactly what vLLM alone would."""
+        `committed`; yields (token ids, their log-probs or None) as they come -- streamed,
+        or with `stream` False as one answer (one call, retried like a verification:
+        nothing of a failed call was used). Closing a stream early closes it, and vLLM
+        aborts the request. EOS is ignored here: the output processor decides where the
+        output stops. The client's seed is vLLM's own, so a request that is plain from
+        its first token draws exactly what vLLM alone would."""
         body = self._body([int(t) for t in committed], max_tokens)
         if self.params.seed is not None:
             body["seed"] = self.params.seed
         self.counters.upstream_calls += 1
         self.counters.verify_prompt_tokens += len(committed)
+        if not stream:
+            answer = await self.target.http.request_json("POST", "/v1/completions", body)
+            tokens, logprobs = self._plain_choice(answer)
+            if tokens:
+                yield tokens, logprobs
+            return
         body["stream"] = True
         async for event in self.target.http.stream_events("/v1/completions", body):
             tokens, logprobs = self._plain_choice(event)

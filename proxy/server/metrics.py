@@ -124,8 +124,8 @@ class ServerMetrics:
         self.cost = Gauge(
             "ddtree_cost_model",
             "The online cost model: verification call = per_call_s + per_prompt_s * prompts "
-            "+ per_token_s * new tokens; plain generation = plain_first_token_s + "
-            "plain_token_s per later token; round_overhead_s = drafting + tree building",
+            "+ per_token_s * new tokens; plain generation = plain_token_s per token (a "
+            "resumed stream's set-up included); round_overhead_s = drafting + tree building",
             ["parameter"],
             registry=registry,
         )
