@@ -325,14 +325,20 @@ def test_controller_steps_aside_tries_again_and_comes_back():
     assert not controller.plain and controller.num_switches_to_speculation == 2
 
 
-def test_a_trial_that_speculation_wins_stays_on_fresh_measurements():
-    # Rounds were measured under a load that made them slow (the fit: 200 ms per
-    # call), and plain generation won; now the load has gone.
+def _started_plain(per_call: float, plain_token_s: float, round_rate: float):
+    """(clock, state, a request that started plain) for per-prompt cost 2 ms."""
     clock = _Clock()
-    state = _trained_state(0.200, 0.002, 0.0, plain_token_s=0.025, round_rate=10.0, clock=clock)
+    state = _trained_state(per_call, 0.002, 0.0, plain_token_s, round_rate, clock=clock)
     controller = state.controller(can_stream=True, seeded=False)
     controller.start()
     assert controller.plain
+    return clock, state, controller
+
+
+def test_a_trial_that_speculation_wins_stays_on_fresh_measurements():
+    # Rounds were measured under a load that made them slow (the fit: 200 ms per
+    # call), and plain generation won; now the load has gone.
+    clock, state, controller = _started_plain(0.200, plain_token_s=0.025, round_rate=10.0)
     committed = list(range(10, 40))
     controller.plain_length(1000)  # a stream opens...
     assert not any(controller.observe_plain_tokens(committed, 1) for _ in range(20))
@@ -359,11 +365,7 @@ def test_a_trial_that_speculation_wins_stays_on_fresh_measurements():
 
 def test_plain_comes_as_one_answer_only_where_a_stream_would_hardly_close():
     # Rounds make 30 tokens/s, plain 200: speculation does not pay.
-    clock = _Clock()
-    far = _trained_state(0.030, 0.002, 0.0, plain_token_s=0.005, round_rate=30.0, clock=clock)
-    controller = far.controller(can_stream=True, seeded=False)
-    controller.start()
-    assert controller.plain
+    clock, _, controller = _started_plain(0.030, plain_token_s=0.005, round_rate=30.0)
     assert controller.plain_in_one_answer(client_streams=False)
     assert controller.plain_length(1000, one_answer=True) == ONE_ANSWER_TOKENS
     assert not controller.plain_in_one_answer(client_streams=True)  # tokens as they come
