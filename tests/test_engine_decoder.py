@@ -60,7 +60,7 @@ def _check_against_transformers(model, layer_ids: tuple[int, ...]) -> None:
     """Prefill, then a tree of 3 nodes (two siblings and a child), vs plain forwards."""
     decoder = Decoder(model)
     cache = decoder.new_cache()
-    context = [5, 17, 33, 8, 90, 41, 7]
+    context = [5, 17, 33, 8, 90, 41, 7, 3, 11, 64]  # >= MIN_PACKED_ROWS: both CPU kernels
     with torch.inference_mode():
         hidden, features = decoder.forward(
             cache, torch.tensor(context), torch.arange(len(context)), None, layer_ids
@@ -71,7 +71,7 @@ def _check_against_transformers(model, layer_ids: tuple[int, ...]) -> None:
         torch.testing.assert_close(
             features, select_target_features(hf_states, layer_ids)[0], rtol=0, atol=1e-4
         )
-        # root 12 at position 7; nodes: 20 (parent root), 21 (parent root), 22 (parent 20)
+        # root 12 after the context; nodes: 20 (parent root), 21 (parent root), 22 (parent 20)
         tokens = torch.tensor([12, 20, 21, 22])
         depths = torch.tensor([0, 1, 1, 2])
         visible = torch.ones(4, len(context) + 4, dtype=torch.bool)

@@ -15,7 +15,9 @@ only on the features and their absolute positions), so a round projects only the
 new tokens' features and then runs block_size queries against the cache. New
 features are projected lazily, at the next `propose`.
 
-Embeddings and output head are the target's: shared modules in engine mode, or
+The draft network's matmuls and the output head run through `proxy.linear` (packed
+oneDNN weights on fp32 CPUs, as the engine's target forward). Embeddings and output
+head are the target's: shared modules in engine mode, or
 just the `embed_tokens` / `lm_head` tensors read from the target's safetensors in
 proxy mode (`lm_head` = `embed_tokens` when the target ties them).
 
@@ -46,6 +48,7 @@ from proxy.drafter.dflash_model import (
     select_target_features,
 )
 from proxy.hf import match_intra_op_threads
+from proxy.linear import Linear, pack_linears
 from proxy.tree import DraftDistribution
 
 logger = logging.getLogger(__name__)
@@ -180,11 +183,12 @@ class DFlashDrafter:
         lm_head: torch.nn.Module,
     ):
         self.model = model.eval()
+        pack_linears(self.model)
         self.config: DFlashConfig = model.config
         self.max_depth: int | None = self.config.max_depth
         self.target_layer_ids: tuple[int, ...] | None = self.config.target_layer_ids
         self._embed = embed  # token ids [n] int64 -> [n, H]
-        self._lm_head = lm_head  # [n, H] -> logits [n, vocab]
+        self._lm_head = Linear.of(lm_head)  # [n, H] -> logits [n, vocab]
 
     @classmethod
     def load(
