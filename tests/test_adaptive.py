@@ -8,6 +8,7 @@ import pytest
 
 from proxy.adaptive import AdaptiveState, Calibration, CostModel
 from proxy.adaptive.controller import (
+    LEAVE_MARGIN,
     MIN_CALLS,
     ONE_ANSWER_TOKENS,
     PLAIN_PROBE_FIRST,
@@ -16,6 +17,7 @@ from proxy.adaptive.controller import (
     SHADOW_EVERY,
     SHADOW_EVERY_MAX,
     STALE_ROUND_TOKENS,
+    SURE_SHADOWS,
     TRIAL_CLOSE_TOKENS,
     TRIAL_FIRST_S,
     TRIAL_ROUNDS,
@@ -136,7 +138,9 @@ def _trained_state(
     rng = np.random.default_rng(2)
     for _ in range(3 * MIN_CALLS):
         prompts, tokens = rng.integers(1, 33), rng.integers(1, 200)
-        state.costs.observe_call(prompts, tokens, per_call + per_prompt * prompts + per_token * tokens)
+        state.costs.observe_call(
+            prompts, tokens, per_call + per_prompt * prompts + per_token * tokens
+        )
     if plain_token_s is not None:
         state.costs.observe_plain(32, 32 * plain_token_s, resumed=True)
     return state
@@ -185,12 +189,40 @@ def test_a_load_every_request_sees_sends_each_to_plain():
     controller.choose_nodes(_tree(0.9), 1)
     controller.observe_rate(6, 0.040)
     assert not controller.plain
-    # Fifteen other clients arrive: everyone's rounds now make 20 tokens/s.
-    for _ in range(16):
-        state.costs.observe_round(1, 0.050, 0.0)
+    # Fifteen other clients arrive: another request's round takes 4x its predicted time.
+    other = state.controller(can_stream=True, seeded=False)
+    other.start()
+    other.choose_nodes(_tree(0.9), 1)
+    tokens, seconds = other._predicted
+    other.observe_rate(round(tokens), 4 * seconds)
+    assert state.costs.start_round_rate() * LEAVE_MARGIN < 80
     controller.choose_nodes(_tree(0.9), 1)
     controller.observe_rate(6, 0.040)  # its own text is as good as ever...
     assert controller.plain  # ...but the load decides
+
+
+def test_a_round_far_slower_than_predicted_steps_aside_at_once():
+    # Plain generation at 80 tokens/s; rounds have made 150, in the time the fit predicts.
+    state = _trained_state(0.030, 0.002, 0.0, plain_token_s=1 / 80, round_rate=150.0)
+    controller = state.controller(can_stream=True, seeded=False)
+    controller.start()
+    tree = _tree(0.9)
+    controller.choose_nodes(tree, 1)
+    tokens, seconds = controller._predicted
+    controller.observe_rate(round(tokens), 1.9 * seconds)  # slower, but within 2x
+    assert not controller.plain
+    # Then a round at 2.5x its predicted time (say 16 clients where 4 were measured):
+    # smoothed, the rate would still beat plain's; the load has changed under the fit.
+    controller.choose_nodes(tree, 1)
+    tokens, seconds = controller._predicted
+    slow_rate = tokens / (2.5 * seconds)
+    assert slow_rate * LEAVE_MARGIN < 80 < 0.9 * controller._rate + 0.1 * slow_rate
+    controller.observe_rate(round(tokens), 2.5 * seconds)
+    assert controller.plain
+    assert state.costs.recent_round_rate() == pytest.approx(slow_rate)
+    late = state.controller(can_stream=True, seeded=False)
+    late.start()
+    assert late.plain  # a request arriving now starts plain: the rounds are slow now
 
 
 def test_an_old_round_rate_does_not_decide_the_start():
@@ -299,10 +331,9 @@ def test_controller_steps_aside_tries_again_and_comes_back():
     assert controller.observe_plain_tokens(committed, 1)  # the stream closes for a trial
     assert state.costs.num_recent_calls == 0  # on fresh measurements only
     assert not controller.next_is_plain()
-    for _ in range(TRIAL_ROUNDS):
-        assert not controller.plain
-        real_round()
-    assert controller.plain and controller.next_is_plain()  # plain won the trial...
+    assert not controller.plain
+    real_round()  # 1 token in 32+ ms: under half plain's rate, the trial's first round
+    assert controller.plain and controller.next_is_plain()  # ends it: plain won...
     controller.plain_length(1000)
     clock.now += TRIAL_FIRST_S
     # ...and the next waits twice as long.
@@ -312,6 +343,9 @@ def test_controller_steps_aside_tries_again_and_comes_back():
     controller.plain_length(TRIAL_CLOSE_TOKENS - 1)
     assert not controller.observe_plain_tokens(committed, 1)
     assert controller.num_switches_to_plain == 2 and controller.num_switches_to_speculation == 1
+    # Other requests' rounds since the trial: the fit has fresh calls enough again.
+    for num_prompts in range(2, 2 + MIN_CALLS):
+        state.costs.observe_call(num_prompts, num_prompts, 0.030 + 0.002 * num_prompts)
     # Shadow rounds on text the drafter predicts perfectly: deep trees land -> back.
     strong = _tree(0.999, budget=16, depth=16)  # a chain of 16 likely tokens
     path = [int(t) for t in strong.token_ids[strong.path(int(np.argmax(strong.depths)))]]
@@ -323,6 +357,26 @@ def test_controller_steps_aside_tries_again_and_comes_back():
         leaves.append(controller.observe_plain_tokens(committed, len(path) + 1))
     assert leaves == [False] * (RETURN_SHADOWS - 1) + [True]  # the shadows' mean decides
     assert not controller.plain and controller.num_switches_to_speculation == 2
+
+
+def test_two_shadows_sure_of_twice_plain_bring_a_request_back():
+    # Plain makes 40 tokens/s; rounds made 30 -- plain -- but the text turns predictable.
+    clock = _Clock()
+    state = _trained_state(0.030, 0.002, 0.0, 0.025, round_rate=30.0, clock=clock)
+    controller = state.controller(can_stream=True, seeded=False)
+    controller.start()
+    assert controller.plain
+    controller.plain_length(1000)
+    strong = _tree(0.999, budget=16, depth=16)
+    path = [int(t) for t in strong.token_ids[strong.path(int(np.argmax(strong.depths)))]]
+    committed = [1, 2, 3, 5]
+    closes = []
+    for _ in range(SURE_SHADOWS):  # each predicts far more than twice plain's rate
+        controller.add_shadow(strong, len(committed), 1)
+        committed += path + [5]
+        closes.append(controller.observe_plain_tokens(committed, len(path) + 1))
+    assert closes == [False] * (SURE_SHADOWS - 1) + [True]  # one lucky shadow is not enough
+    assert SURE_SHADOWS < RETURN_SHADOWS and not controller.plain
 
 
 def _started_plain(per_call: float, plain_token_s: float, round_rate: float):
@@ -363,15 +417,59 @@ def test_a_trial_that_speculation_wins_stays_on_fresh_measurements():
     assert state.costs.call_seconds(np.array([5]), np.array([5]))[0] < 0.05
 
 
+def test_a_trial_is_judged_on_the_calibrated_tokens_of_its_trees():
+    # Plain makes 40 tokens/s; rounds were measured slow under another load.
+    clock, state, controller = _started_plain(0.200, plain_token_s=0.025, round_rate=10.0)
+    controller.plain_length(1000)
+    committed = list(range(10, 40))
+    assert not any(controller.observe_plain_tokens(committed, 1) for _ in range(20))
+    clock.now += TRIAL_FIRST_S
+    assert controller.observe_plain_tokens(committed, 1)  # the trial
+    assert not controller.next_is_plain()
+    tree = _tree(0.9)
+    for _ in range(TRIAL_ROUNDS):
+        # Rounds take 25 ms now; this text's opening gives 1 token each -- 40 tokens/s,
+        # no better than plain -- though its trees are the kind the target accepts.
+        num_nodes = controller.choose_nodes(tree, 1)
+        assert 1.0 + state.calibration.acceptance(tree)[:num_nodes].sum() > 2
+        state.costs.observe_call(num_nodes + 1, num_nodes + 1, 0.025)
+        state.costs.observe_round(1, 0.025, 0.0)
+        controller.observe_rate(1, 0.025)
+    assert not controller.plain  # rounds at this load pay: the trial is won
+
+
+@pytest.mark.parametrize("round_rate, joins", [(150.0, True), (60.0, False)])
+def test_during_a_trial_rounds_at_twice_plain_let_requests_start(round_rate, joins):
+    clock = _Clock()
+    state = _trained_state(0.030, 0.002, 0.0, 1 / 40, clock=clock)
+    state.costs.count_speculating(+2)  # the rounds were measured with two speculating
+    state.costs.observe_round(1, 1 / round_rate, 0.0)
+    state.costs.count_speculating(-2)
+    clock.now += 2 * TRIAL_FIRST_S  # the measurements are old: the next start is a trial
+    first = state.controller(can_stream=True, seeded=False)
+    first.start()
+    assert not first.plain and state.costs.num_recent_calls == 0  # its rounds: the trial
+    second = state.controller(can_stream=True, seeded=False)
+    second.start()
+    assert second.plain != joins  # plain 40 tokens/s: 150 is sure enough, 60 is not
+    if joins:  # ...on a trial of its own, which its first hopeless round ends
+        second.choose_nodes(_tree(0.9), 1)
+        second.observe_rate(1, 0.5)
+        assert second.plain
+
+
 def test_plain_comes_as_one_answer_only_where_a_stream_would_hardly_close():
     # Rounds make 30 tokens/s, plain 200: speculation does not pay.
-    clock, _, controller = _started_plain(0.030, plain_token_s=0.005, round_rate=30.0)
+    clock, state, controller = _started_plain(0.030, plain_token_s=0.005, round_rate=30.0)
     assert controller.plain_in_one_answer(client_streams=False)
     assert controller.plain_length(1000, one_answer=True) == ONE_ANSWER_TOKENS
     assert not controller.plain_in_one_answer(client_streams=True)  # tokens as they come
     clock.now += TRIAL_FIRST_S  # a trial is due: a short answer, then the trial
     assert controller.plain_in_one_answer(client_streams=False)
     assert controller.plain_length(1000, one_answer=True) == TRIAL_CLOSE_TOKENS
+    other = state.controller(can_stream=True, seeded=False)  # arriving at the same time:
+    other.start()
+    assert other.plain_length(1000, one_answer=True) == ONE_ANSWER_TOKENS  # one trial
     controller.observe_plain_tokens(list(range(10, 10 + TRIAL_CLOSE_TOKENS)), TRIAL_CLOSE_TOKENS)
     assert not controller.next_is_plain() and not controller.plain  # the trial's rounds
     # Rounds make 220 tokens/s: too few to go back, enough to watch -- plain streams.

