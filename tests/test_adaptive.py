@@ -217,9 +217,11 @@ def test_a_round_far_slower_than_predicted_steps_aside_at_once():
     tokens, seconds = controller._predicted
     slow_rate = tokens / (2.5 * seconds)
     assert slow_rate * LEAVE_MARGIN < 80 < 0.9 * controller._rate + 0.1 * slow_rate
+    before = state.costs.start_round_rate()
     controller.observe_rate(round(tokens), 2.5 * seconds)
     assert controller.plain
-    assert state.costs.recent_round_rate() == pytest.approx(slow_rate)
+    # every round rate is scaled by the slowdown (not replaced by this round's)
+    assert state.costs.start_round_rate() == pytest.approx(before / 2.5)
     late = state.controller(can_stream=True, seeded=False)
     late.start()
     assert late.plain  # a request arriving now starts plain: the rounds are slow now

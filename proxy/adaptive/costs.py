@@ -214,16 +214,19 @@ class CostModel:
                 self._round_rate = _ewma(self._round_rate, num_tokens / seconds)
                 self._start_rate = _ewma(self._start_rate, num_tokens / seconds, _START_EWMA)
 
-    def load_changed(self, round_rate: float) -> None:
-        """A round ran far slower than the fit predicted: `round_rate` (its rate at the
-        expected acceptance) replaces the smoothed round rates at once, and the fit's
-        rows so far weigh `_TRIAL_DISCOUNT` each: they describe a load that is gone,
+    def load_changed(self, slowdown: float) -> None:
+        """A round ran far slower than the fit predicted (`slowdown` = predicted time
+        over its time, < 1): the smoothed round rates are scaled by it at once, and the
+        fit's rows so far weigh `_TRIAL_DISCOUNT` each: they describe a load that is gone,
         and shadows predicting from them would send one plain request after another
         into rounds at the new load (GPU shim, 16 clients after 4: 14 of 16 requests
         joined, one slow round each)."""
         with self._lock:
             self._num_load_changes += 1
-            self._round_rate = self._start_rate = round_rate
+            if self._round_rate is not None:
+                self._round_rate *= slowdown
+            if self._start_rate is not None:
+                self._start_rate *= slowdown
             for row in self._calls:
                 row[4] *= _TRIAL_DISCOUNT
             self._stale = True
