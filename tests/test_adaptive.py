@@ -20,6 +20,7 @@ from proxy.adaptive.controller import (
     SURE_SHADOWS,
     TRIAL_CLOSE_TOKENS,
     TRIAL_FIRST_S,
+    TRIAL_MAX_S,
     TRIAL_ROUNDS,
     WIDE_EVERY,
 )
@@ -337,13 +338,15 @@ def test_controller_steps_aside_tries_again_and_comes_back():
     real_round()  # 1 token in 32+ ms: under half plain's rate, the trial's first round
     assert controller.plain and controller.next_is_plain()  # ends it: plain won...
     controller.plain_length(1000)
-    clock.now += TRIAL_FIRST_S
-    # ...and the next waits twice as long.
+    clock.now += TRIAL_MAX_S - 0.1
+    # ...by far (under half plain's rate), so the next waits the longest.
     assert not any(controller.observe_plain_tokens(committed, 1) for _ in range(20))
     # Then a stream about to end by itself is not closed for it: the request may end.
-    clock.now += TRIAL_FIRST_S
+    clock.now += 0.1
     controller.plain_length(TRIAL_CLOSE_TOKENS - 1)
     assert not controller.observe_plain_tokens(committed, 1)
+    controller.plain_length(1000)  # a long one is: the trial is due
+    assert controller.observe_plain_tokens(committed, 1)
     assert controller.num_switches_to_plain == 2 and controller.num_switches_to_speculation == 1
     # Other requests' rounds since the trial: the fit has fresh calls enough again.
     for num_prompts in range(2, 2 + MIN_CALLS):

@@ -283,6 +283,11 @@ class Controller:
                 return
             trial_rate = self._trial_sums[0] / self._trial_sums[1]
             if plain_rate is not None and trial_rate < TRIAL_MARGIN * plain_rate:
+                if hopeless:
+                    # Far from paying: the next trial waits the longest. Doubling from
+                    # 1 s, 16 clients behind the GPU shim ran one each repetition, and
+                    # its 0.3-2.4 s round made its request the last of the wave.
+                    self.costs.trial_lost_far(TRIAL_MAX_S)
                 self._go_plain()
             else:
                 self.costs.trial_won(TRIAL_FIRST_S)

@@ -170,11 +170,6 @@ class CostModel:
             self._round_rate = None
             return True
 
-    def trial_due(self, first_s: float) -> bool:
-        """Would `claim_trial` claim one now?"""
-        with self._lock:
-            return self._trial_is_due(first_s)
-
     def _trial_is_due(self, first_s: float) -> bool:
         if self._last_round_t is None:
             return False  # no round yet: the start explores
@@ -185,6 +180,11 @@ class CostModel:
         """Speculation won a trial: should it lose later, the next trial comes soon."""
         with self._lock:
             self._trial_after_s = first_s
+
+    def trial_lost_far(self, most_s: float) -> None:
+        """Speculation lost a trial by far: the next one waits `most_s`."""
+        with self._lock:
+            self._trial_after_s = most_s
 
     def count_speculating(self, change: int) -> None:
         with self._lock:
