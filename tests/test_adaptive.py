@@ -20,7 +20,6 @@ from proxy.adaptive.controller import (
     SURE_SHADOWS,
     TRIAL_CLOSE_TOKENS,
     TRIAL_FIRST_S,
-    TRIAL_MAX_S,
     TRIAL_ROUNDS,
     WIDE_EVERY,
 )
@@ -338,11 +337,11 @@ def test_controller_steps_aside_tries_again_and_comes_back():
     real_round()  # 1 token in 32+ ms: under half plain's rate, the trial's first round
     assert controller.plain and controller.next_is_plain()  # ends it: plain won...
     controller.plain_length(1000)
-    clock.now += TRIAL_MAX_S - 0.1
-    # ...by far (under half plain's rate), so the next waits the longest.
+    clock.now += TRIAL_FIRST_S
+    # ...and the next waits twice as long.
     assert not any(controller.observe_plain_tokens(committed, 1) for _ in range(20))
     # Then a stream about to end by itself is not closed for it: the request may end.
-    clock.now += 0.1
+    clock.now += TRIAL_FIRST_S
     controller.plain_length(TRIAL_CLOSE_TOKENS - 1)
     assert not controller.observe_plain_tokens(committed, 1)
     controller.plain_length(1000)  # a long one is: the trial is due

@@ -32,8 +32,8 @@ plain keeps winning; in seconds, not tokens, so that 16 plain clients do not pro
 times as often), one plain request closes its stream and runs a trial of
 `TRIAL_ROUNDS` real rounds on fresh measurements: it stays on speculation if they beat
 plain generation by `TRIAL_MARGIN` (counting the calibrated expected tokens of the trees
-verified: the trial measures the load, the request's own rate its text; a round under
-`TRIAL_HOPELESS` times plain's rate ends it), and goes back to plain otherwise (with no margin,
+verified: the trial measures the load, the request's own rate its text; a rate so far
+under `TRIAL_HOPELESS` times plain's ends it), and goes back to plain otherwise (with no margin,
 a run on vLLM-CPU, where rounds run 0.68x plain on code, speculated 11 % of the code
 tokens at 1 client, 0.94x direct: four rounds are a small sample). Going to speculation at the start
 or on shadows -- predictions -- takes a 25 % margin (`RETURN_MARGIN`), leaving it 10 %
@@ -277,17 +277,11 @@ class Controller:
             # s a round), four of them made the trial's request the last of its wave.
             # (So far, not this round alone: at 4 clients one round of 0.25-0.44 s in a
             # trial that paid ended three of them.)
-            sums = self._trial_sums
-            hopeless = plain_rate is not None and sums[0] / sums[1] < TRIAL_HOPELESS * plain_rate
+            trial_rate = self._trial_sums[0] / self._trial_sums[1]
+            hopeless = plain_rate is not None and trial_rate < TRIAL_HOPELESS * plain_rate
             if self._trial_left and not hopeless:
                 return
-            trial_rate = self._trial_sums[0] / self._trial_sums[1]
             if plain_rate is not None and trial_rate < TRIAL_MARGIN * plain_rate:
-                if hopeless:
-                    # Far from paying: the next trial waits the longest. Doubling from
-                    # 1 s, 16 clients behind the GPU shim ran one each repetition, and
-                    # its 0.3-2.4 s round made its request the last of the wave.
-                    self.costs.trial_lost_far(TRIAL_MAX_S)
                 self._go_plain()
             else:
                 self.costs.trial_won(TRIAL_FIRST_S)
@@ -300,8 +294,8 @@ class Controller:
         """Does plain generation beat the recent rounds by `LEAVE_MARGIN` -- this
         request's (its text), or all requests' over many rounds (the load), whichever is
         lower? A load that jumps (16 clients where 4 were) makes rounds far slower than
-        the fit predicts, and the first such round resets the second at once
-        (`CostModel.load_changed`); smoothed over few rounds instead, it carried the
+        the fit predicts, and the first such round scales the second by its slowdown
+        at once (`CostModel.load_changed`); smoothed over few rounds instead, it carried the
         last request's text into every other's decision (a request making 50 tokens/s
         left for plain's 23 after another's 1-token rounds)."""
         if self.seeded or plain_rate is None or not self._trusted():

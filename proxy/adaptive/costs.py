@@ -181,11 +181,6 @@ class CostModel:
         with self._lock:
             self._trial_after_s = first_s
 
-    def trial_lost_far(self, most_s: float) -> None:
-        """Speculation lost a trial by far: the next one waits `most_s`."""
-        with self._lock:
-            self._trial_after_s = most_s
-
     def count_speculating(self, change: int) -> None:
         with self._lock:
             self._num_speculating += change
