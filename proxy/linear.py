@@ -12,9 +12,15 @@ thread, microseconds per call (MKL / packed oneDNN):
      33       155.0 / 70.2         77.0 / 42.7        534.6 / 213.7
 
 A verified tree is 9-33 rows, a prefill hundreds; one decoding step is 1 row, where
-MKL is faster. So `Linear` keeps both: MKL below `MIN_PACKED_ROWS` rows, oneDNN from
-there. Both are fp32 products of the same weights (the results differ in rounding
-only, as MKL's own 1-row and many-row kernels already do). The packed copy costs the
+MKL is faster. So `Linear` keeps both: MKL for one row, oneDNN from two. Both are fp32
+products of the same weights and differ in rounding only -- and where: a row of the
+packed oneDNN product has the same bits whatever the number of rows beside it (checked
+for 1-40 rows), while MKL's one-row kernel rounds differently from its many-row one.
+So the one boundary stays where MKL had it (one row against more): a request whose
+trees the adaptive policy sizes differently from run to run (2 rows in one run, 12 in
+the next) gets the same logprobs, bit for bit, as before. (A first version switched at
+8 rows: the same greedy request, non-streamed then streamed, differed in the seventh
+digit of one logprob.) The packed copy costs the
 weight's memory once more; it is made only for fp32 weights on the CPU, where oneDNN
 is built in. Elsewhere (CUDA, bf16) `Linear` is `F.linear`.
 """
@@ -24,7 +30,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-MIN_PACKED_ROWS = 8  # from here on packed oneDNN beat MKL on every shape measured
+MIN_PACKED_ROWS = 2  # one row: MKL (faster there); more: oneDNN (see above)
 _PACK_ROWS_HINT = 32  # oneDNN picks its blocking for this row count (any count works)
 
 

@@ -13,7 +13,7 @@ from proxy.linear import MIN_PACKED_ROWS, Linear, PackedLinear, pack_linears
 ONEDNN = torch.backends.mkldnn.is_available()
 
 
-@pytest.mark.parametrize("rows", [1, MIN_PACKED_ROWS - 1, MIN_PACKED_ROWS, 33, 300])
+@pytest.mark.parametrize("rows", [1, MIN_PACKED_ROWS, 7, 8, 33, 300])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_linear_equals_f_linear(rows, with_bias):
     generator = torch.Generator().manual_seed(rows)
@@ -50,3 +50,15 @@ def test_pack_linears_keeps_parameters_and_outputs():
         assert torch.equal(tensor, state[name]), name
     with torch.inference_mode():
         torch.testing.assert_close(model(x), expected, rtol=0, atol=1e-5)
+
+
+def test_a_row_has_the_same_bits_whatever_the_rows_beside_it():
+    """From MIN_PACKED_ROWS rows up, a tree's row does not depend on the tree's size: the
+    adaptive policy may verify 2 nodes in one run and 12 in the next."""
+    generator = torch.Generator().manual_seed(1)
+    linear = Linear(torch.randn(320, 192, generator=generator))
+    x = torch.randn(40, 192, generator=generator)
+    with torch.inference_mode():
+        first = linear(x[:MIN_PACKED_ROWS])[0]
+        for rows in range(MIN_PACKED_ROWS, 41):
+            assert torch.equal(linear(x[:rows])[0], first), rows

@@ -11,7 +11,7 @@ math in about 25 tensor ops per layer over the model's own parameters:
 * one KV buffer holds every layer, so keeping the accepted path is one gather;
 * RoPE comes from a table built once with the model's own rotary module;
 * every matmul is a `proxy.linear.Linear`: on fp32 CPUs, oneDNN over a packed copy of
-  the weight from 8 rows up (a tree, a prefill: about 2x MKL's speed here), MKL below
+  the weight from 2 rows up (a tree, a prefill: about 2x MKL's speed here), MKL for one
   (one decoding step).
 
 The math is Transformers' (RMSNorm in fp32, RoPE by halves, grouped-query SDPA), so
