@@ -174,7 +174,7 @@ class Controller:
                 # own: at 16 random-token clients behind the shim, requests that
                 # started so ran 1-token rounds of 0.2 s until their smoothed rates
                 # fell (0.45x direct); a trial's first such round ends it.
-                self._trial_left, self._trial_sums = TRIAL_ROUNDS, (0, 0.0)
+                self._begin_trial()
         else:
             # A round rate measured `STALE_ROUND_TOKENS` plain tokens ago may come from
             # another load (16 clients then, 1 now, or the other way): start plain, and
@@ -187,7 +187,7 @@ class Controller:
                 # first rounds are that trial (a fit from another load would size
                 # them wrong: after 16 clients behind the GPU shim it verified the
                 # root alone at 1 client, where the whole tree runs 2.1x).
-                self._trial_left, self._trial_sums = TRIAL_ROUNDS, (0, 0.0)
+                self._begin_trial()
         self._count()
 
     def finish(self) -> None:
@@ -331,7 +331,7 @@ class Controller:
         ):
             self._trial_due = False
             self._go_speculative()
-            self._trial_left, self._trial_sums = TRIAL_ROUNDS, (0, 0.0)
+            self._begin_trial()
             return False
         return True
 
@@ -465,6 +465,10 @@ class Controller:
     def _exploring(self) -> bool:
         """Has the fit never had calls enough (the runtime's first requests)?"""
         return self.costs.num_calls < MIN_CALLS
+
+    def _begin_trial(self) -> None:
+        """This request's next `TRIAL_ROUNDS` real rounds are a trial."""
+        self._trial_left, self._trial_sums = TRIAL_ROUNDS, (0, 0.0)
 
     def _claim_trial(self) -> bool:
         return not self.seeded and self.costs.claim_trial(TRIAL_FIRST_S, TRIAL_MAX_S)

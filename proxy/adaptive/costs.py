@@ -158,12 +158,9 @@ class CostModel:
         with self._lock:
             if not self._trial_is_due(first_s):
                 return False
-            after = first_s if self._trial_after_s is None else self._trial_after_s
             self._last_round_t = self._clock()  # one claimer
-            self._trial_after_s = min(2 * after, most_s)
-            for row in self._calls:
-                row[4] *= _TRIAL_DISCOUNT
-            self._stale = True
+            self._trial_after_s = min(2 * self._trial_after(first_s), most_s)
+            self._discount_fit()
             self._calls_since_trial = 0
             # (`_start_rate` stays: it spans many texts; `_round_load` too: joins still
             # grow from the load rounds were last measured at)
@@ -173,8 +170,17 @@ class CostModel:
     def _trial_is_due(self, first_s: float) -> bool:
         if self._last_round_t is None:
             return False  # no round yet: the start explores
-        after = first_s if self._trial_after_s is None else self._trial_after_s
-        return self._clock() - self._last_round_t >= after
+        return self._clock() - self._last_round_t >= self._trial_after(first_s)
+
+    def _trial_after(self, first_s: float) -> float:
+        """Seconds without a real round after which a trial is due."""
+        return first_s if self._trial_after_s is None else self._trial_after_s
+
+    def _discount_fit(self) -> None:
+        """The fit's rows so far weigh `_TRIAL_DISCOUNT` each (caller holds the lock)."""
+        for row in self._calls:
+            row[4] *= _TRIAL_DISCOUNT
+        self._stale = True
 
     def trial_won(self, first_s: float) -> None:
         """Speculation won a trial: should it lose later, the next trial comes soon."""
@@ -222,9 +228,7 @@ class CostModel:
                 self._round_rate *= slowdown
             if self._start_rate is not None:
                 self._start_rate *= slowdown
-            for row in self._calls:
-                row[4] *= _TRIAL_DISCOUNT
-            self._stale = True
+            self._discount_fit()
 
     def observe_prediction(
         self, predicted_tokens: float, predicted_s: float, num_tokens: int, seconds: float
