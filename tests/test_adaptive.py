@@ -434,6 +434,36 @@ def test_a_trial_that_speculation_wins_stays_on_fresh_measurements():
     assert not late.plain
 
 
+def test_a_trial_won_narrowly_keeps_its_request_but_starts_no_other():
+    """A trial that beats plain by less than `SURE_MARGIN`: its request speculates on,
+    but the rate new requests start on is lifted only as far as keeps that request
+    (`LEAVE_MARGIN` times plain's), not to the trial's (one text's luck)."""
+    clock, state, controller = _started_plain(0.200, plain_token_s=0.025, round_rate=10.0)
+    committed = list(range(10, 40))
+    controller.plain_length(1000)
+    assert not any(controller.observe_plain_tokens(committed, 1) for _ in range(20))
+    clock.now += TRIAL_FIRST_S
+    assert controller.observe_plain_tokens(committed, 1)  # the trial
+    assert not controller.next_is_plain()
+    tree = _tree(0.9)
+    round_s = 0.070  # 4 tokens: 57 tokens/s, 1.4x plain's 40
+    for _ in range(TRIAL_ROUNDS):
+        num_nodes = controller.choose_nodes(tree, 1)
+        state.costs.observe_call(num_nodes + 1, num_nodes + 1, round_s)
+        state.costs.observe_round(4, round_s, 0.0)
+        controller.observe_rate(4, round_s)
+    assert not controller.plain and controller.num_switches_to_plain == 0  # won
+    assert state.costs.start_round_rate() == pytest.approx(LEAVE_MARGIN * 40)  # not 57
+    num_nodes = controller.choose_nodes(tree, 1)  # ...and it does not leave on it
+    state.costs.observe_call(num_nodes + 1, num_nodes + 1, round_s)
+    state.costs.observe_round(4, round_s, 0.0)
+    controller.observe_rate(4, round_s)
+    assert not controller.plain
+    late = state.controller(can_stream=True, seeded=False)
+    late.start()
+    assert late.plain
+
+
 def test_a_trial_is_judged_on_the_calibrated_tokens_of_its_trees():
     # Plain makes 40 tokens/s; rounds were measured slow under another load.
     clock, state, controller = _started_plain(0.200, plain_token_s=0.025, round_rate=10.0)

@@ -184,8 +184,9 @@ class CostModel:
         self._stale = True
 
     def trial_won(self, first_s: float, rate: float) -> None:
-        """Speculation won a trial at `rate` tokens/s: should it lose later, the next
-        trial comes soon; and the round rate new requests start on is at least `rate`.
+        """Speculation won a trial: should it lose later, the next trial comes soon; and
+        the round rate new requests start on is at least `rate` (the controller's
+        choice: the trial's rate, or less where the trial won narrowly).
         The trial measured this load afresh, and one slow round's scaling
         (`load_changed`) would otherwise outlast it by ~50 rounds: behind the GPU shim,
         4 code clients, a slow spell of vLLM-CPU's (rounds at 0.2-0.4 s, where 0.06 s
