@@ -21,6 +21,7 @@ from proxy.adaptive.controller import (
     SURE_SHADOWS,
     TRIAL_CLOSE_TOKENS,
     TRIAL_FIRST_S,
+    TRIAL_MAX_S,
     TRIAL_ROUNDS,
     WIDE_EVERY,
 )
@@ -432,6 +433,10 @@ def test_a_trial_that_speculation_wins_stays_on_fresh_measurements():
     late = state.controller(can_stream=True, seeded=False)
     late.start()
     assert not late.plain
+    # A sure win: should speculation lose later, the next trial comes after the first
+    # interval again.
+    clock.now += TRIAL_FIRST_S
+    assert state.costs.claim_trial(TRIAL_FIRST_S, TRIAL_MAX_S)
 
 
 def test_a_trial_won_narrowly_keeps_its_request_but_starts_no_other():
@@ -459,6 +464,11 @@ def test_a_trial_won_narrowly_keeps_its_request_but_starts_no_other():
     state.costs.observe_round(4, round_s, 0.0)
     controller.observe_rate(4, round_s)
     assert not controller.plain
+    # The next trial waits the interval the claim doubled, not the first one again.
+    clock.now += TRIAL_FIRST_S
+    assert not state.costs.claim_trial(TRIAL_FIRST_S, TRIAL_MAX_S)
+    clock.now += TRIAL_FIRST_S
+    assert state.costs.claim_trial(TRIAL_FIRST_S, TRIAL_MAX_S)
     late = state.controller(can_stream=True, seeded=False)
     late.start()
     assert late.plain

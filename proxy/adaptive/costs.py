@@ -183,17 +183,20 @@ class CostModel:
             row[4] *= _TRIAL_DISCOUNT
         self._stale = True
 
-    def trial_won(self, first_s: float, rate: float) -> None:
-        """Speculation won a trial: should it lose later, the next trial comes soon; and
-        the round rate new requests start on is at least `rate` (the controller's
-        choice: the trial's rate, or less where the trial won narrowly).
+    def trial_won(self, rate: float, next_trial_s: float | None) -> None:
+        """Speculation won a trial: the round rate new requests start on is at least
+        `rate`, and should speculation lose later, the next trial is due after
+        `next_trial_s` without a round (None: after the interval the claim set). The
+        controller chooses both: the trial's rate and the first interval for a sure
+        win, less for a narrow one.
         The trial measured this load afresh, and one slow round's scaling
         (`load_changed`) would otherwise outlast it by ~50 rounds: behind the GPU shim,
         4 code clients, a slow spell of vLLM-CPU's (rounds at 0.2-0.4 s, where 0.06 s
         was usual) had scaled it under plain's 23 tokens/s; trials then won at 94 and
         their requests left at once, and the cell ran plain (94 tok/s; fixed 167)."""
         with self._lock:
-            self._trial_after_s = first_s
+            if next_trial_s is not None:
+                self._trial_after_s = next_trial_s
             if self._start_rate is not None:
                 self._start_rate = max(self._start_rate, rate)
 
