@@ -52,9 +52,10 @@ NGRAM_SPEC = (
 )
 CONFIGS = ("direct", "fixed", "adaptive")
 BUDGET = 8
-# The shim profile's scale per concurrency: the smallest tried at which vLLM-CPU
-# answered within the profile's time for ~90 % of the shim's releases (x3 at 16 clients:
-# fixed budget 8's rounds took 0.28 s where the profile has 0.06 s).
+# The shim profile's scale per concurrency, the smallest tried at which vLLM-CPU
+# answered within the profile's time for most of the shim's releases (late shares 0-17 %
+# per cell on 2026-12-02; at x3 with 16 clients, fixed budget 8's rounds took 0.28 s
+# where the profile has 0.06 s).
 SHIM_SCALES = "1:3,4:6,16:15"
 
 
