@@ -47,8 +47,9 @@ def test_benchmark_shim_scales_parse_and_name_the_problem():
 
 
 def test_shim_holds_answers_to_the_profile_and_counts_late_ones():
-    """An answer the profile allows 0.2 s for, from an upstream that takes 0.05 s, is
-    held and on time; one that takes longer than the profile's 0.01 s is late."""
+    """An answer the profile allows 0.5 s for, from an upstream that takes 0.05 s, is
+    held and on time (a margin that a loaded CI machine cannot eat); one that takes
+    longer than the profile's 0.01 s is late."""
     upstream = "http://vllm.test"
     answer = {"choices": [{"text": "x", "token_ids": [1]}]}
 
@@ -65,7 +66,7 @@ def test_shim_holds_answers_to_the_profile_and_counts_late_ones():
             held = time.perf_counter() - start
             return response, held, (await client.get("/shim/stats")).json()
 
-    for step_s, late in ((0.2, 0), (0.01, 1)):
+    for step_s, late in ((0.5, 0), (0.01, 1)):
         profile = Profile("test", decode_step_s=step_s, per_call_s=0.0, per_prompt_s=0.0,
                           per_token_s=0.0)  # fmt: skip
         app = create_shim(upstream, profile)
