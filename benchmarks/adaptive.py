@@ -15,9 +15,9 @@ requests straight to the upstream), `fixed` (ngram drafter, budget 8, every roun
 run per upstream, as in a server). Greedy, EOS ignored, streaming off. Each
 configuration's tokens/s is the median over the repetitions, and its ratios the median
 of the ratios within each repetition (every repetition's tokens/s is kept in the JSON):
-on vLLM-CPU, batched decoding has slow spells of seconds that hit every configuration
-of the repetition they fall in. `--fixed-reps N` runs the fixed budget in the first N
-repetitions only, its ratios taken over those (it is the slowest configuration on
+on vLLM-CPU, 4 or 16 clients' requests are in runs of cells taken one at a time instead
+of batched (several times slower), whichever configuration is running. `--fixed-reps N`
+runs the fixed budget in the first N repetitions only, its ratios taken over those (it is the slowest configuration on
 vLLM-CPU: many repetitions of direct and adaptive cost less so).
 Writes benchmarks/results/adaptive.{json,md} and adaptive_vs_direct.png; the README's
 table is `readme_table` of the JSON (tests/test_readme.py checks it).
@@ -167,9 +167,9 @@ async def _run_upstream(
                             share = late_share(before, _shim_stats(url))
                             late[config].append(float("nan") if share is None else share)
                 # Ratios within each repetition (its configurations run back to back),
-                # then the median over repetitions: on vLLM-CPU, batched decoding has
-                # slow spells of seconds, several times slower, that hit every
-                # configuration of the repetition they fall in (see the report).
+                # then the median over repetitions: on vLLM-CPU, concurrent requests
+                # are in runs of cells taken one at a time instead of batched, several
+                # times slower, whichever configuration is running (see the report).
                 # (The fixed budget's ratios: over the repetitions it ran in, the first.)
                 rep = {config: np.asarray(rates[config]) for config in CONFIGS}
                 for config in CONFIGS:
