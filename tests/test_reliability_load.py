@@ -1,4 +1,4 @@
-"""Load against real processes: concurrent streaming aiohttp clients for a bounded time
+"""Load against real processes: concurrent streaming httpx clients for a bounded time
 through a real `ddtree-proxy serve` process in front of the session's REAL vLLM, using
 scripts/load_test.py: 64 clients for 60 s, as the hardening issue asks (also the
 script's default). Zero errors, every output lossless, memory flat; the report (p50/p99
@@ -36,10 +36,10 @@ def _load_script():
 
 def test_concurrent_streams_are_lossless_and_memory_stays_flat(vllm_server, tmp_path):
     load_test = _load_script()
-    with load_test.ProxyProcess(vllm_server.url, ["--budget", "8"]) as proxy:
+    with load_test.start_proxy(vllm_server.url, ["--budget", "8"], tmp_path / "proxy.log") as proxy:
         report = asyncio.run(
             load_test.run_load(
-                proxy.url, proxy.proc.pid, vllm_server.url, vllm_server.model, CLIENTS,
+                proxy.url, proxy.pid, vllm_server.url, vllm_server.model, CLIENTS,
                 DURATION_S, max_tokens=16, num_prompts=40,
             )
         )  # fmt: skip

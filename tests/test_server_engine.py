@@ -486,13 +486,13 @@ def test_output_stops_at_the_context_limit(client, reference):
     assert choice.token_ids == reference.greedy_ignoring_eos(prompt_ids, 6)
 
 
-def test_cli_serve_engine_mode(target_dir, reference):
+def test_cli_serve_engine_mode(target_dir, reference, tmp_path):
     """`ddtree-proxy serve` without --target-url, as a user starts it (real subprocess)."""
     port = free_port()
     env = dict(os.environ, DDTREE_DRAFTER="ngram", DDTREE_BUDGET="4")
     command = [sys.executable, "-m", "proxy.cli", "serve", "--target", str(target_dir),
                "--port", str(port)]  # fmt: skip
-    with serving(command, port, env) as url:
+    with serving(command, port, tmp_path / "proxy.log", env) as url:
         body = {"prompt": PROMPTS[0], "max_tokens": 10, "temperature": 0, "return_token_ids": True}
         answer = httpx.post(url + "/v1/completions", json=body, timeout=60).json()
         prompt_ids = tuple(reference.tokenizer(PROMPTS[0])["input_ids"])

@@ -434,12 +434,12 @@ def test_models_health_and_bad_requests(vllm_server, proxies):
     )
 
 
-def test_cli_serve_proxy_mode(vllm_server, prompts, greedy_reference):
+def test_cli_serve_proxy_mode(vllm_server, prompts, greedy_reference, tmp_path):
     """`ddtree-proxy serve --target-url ...` as a user starts it (real subprocess)."""
     port = free_port()
     command = [sys.executable, "-m", "proxy.cli", "serve", "--target-url", vllm_server.url,
                "--port", str(port), "--budget", "8", "--api-key", "k"]  # fmt: skip
-    with serving(command, port) as url:
+    with serving(command, port, tmp_path / "proxy.log") as url:
         client = openai.OpenAI(base_url=url + "/v1", api_key="k", max_retries=0, timeout=120)
         for idx in (0, 23):
             answer = client.completions.create(
