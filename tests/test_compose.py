@@ -364,3 +364,32 @@ def test_healthcheck_probes_the_configured_port():
         thread.join()
     assert probe() != 0
 
+
+# --- Compose: what vLLM-CPU needs, mounts, start order --------------------------------
+
+
+@pytest.mark.parametrize("name", ["vllm", "vllm-draft"])
+def test_vllm_cpu_may_bind_its_threads(name):
+    """vLLM's CPU docs run the image with --cap-add SYS_NICE and --security-opt
+    seccomp=unconfined (the engine pins its OpenMP threads to cores and their memory to a
+    NUMA node), and with a large /dev/shm (here the host's IPC namespace)."""
+    vllm = _load(*STACKS["cpu"])[name]
+    assert "VLLM_CPU_OMP_THREADS_BIND" in vllm["environment"]
+    assert "SYS_NICE" in vllm.get("cap_add", [])
+    assert any(re.fullmatch(r"seccomp[=:]unconfined", opt) for opt in vllm.get("security_opt", []))
+    assert vllm.get("ipc") == "host" or "shm_size" in vllm
+
+
+def test_model_mounts_are_read_only(stack):
+    _, services = stack
+    for name, service in services.items():
+        assert service["volumes"] and all(spec.endswith(":ro") for spec in service["volumes"]), name
+
+
+def test_gpu_draft_server_starts_after_the_target_is_healthy():
+    """vLLM sizes its KV cache from whole-GPU free-memory deltas, so two servers starting
+    together on one GPU count each other's loading as their own: the draft server starts
+    only once the target's is up."""
+    services = _load(*STACKS["gpu"])
+    assert "healthcheck" in services["vllm"]
+    assert services["vllm-draft"]["depends_on"] == {"vllm": {"condition": "service_healthy"}}
