@@ -1,8 +1,11 @@
 """docker-compose.yml (+ docker-compose.gpu.yml) and the Dockerfile, checked without
 Docker: the three services (target vLLM, draft vLLM, proxy), images, ports, health
-checks and start order, and that the proxy's command line (with the environment compose
-gives it) parses with our real CLI parser into valid settings whose drafter is the draft
-vLLM. The GPU stack is the base file with the override merged as compose merges it."""
+checks and start order, the vLLM-CPU capabilities, read-only model mounts, and that the
+proxy's command line (with the environment compose gives it) parses with our real CLI
+parser into valid settings whose drafter is the draft vLLM. The GPU stack is the base
+file with the override merged as compose merges it. The Dockerfile: a pinned base image,
+the dependency layer before the source, no models in the image, and a health check that
+follows the configured port (run as written against a local server)."""
 
 from __future__ import annotations
 
