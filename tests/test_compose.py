@@ -1,24 +1,37 @@
 """docker-compose.yml (+ docker-compose.gpu.yml) and the Dockerfile, checked without
 Docker: the three services (target vLLM, draft vLLM, proxy), images, ports, health
-checks and start order, and that the proxy's command line (with the environment compose
-gives it) parses with our real CLI parser into valid settings whose drafter is the draft
-vLLM. The GPU stack is the base file with the override merged as compose merges it."""
+checks and start order, the vLLM-CPU capabilities, read-only model mounts, and that the
+proxy's command line (with the environment compose gives it) parses with our real CLI
+parser into valid settings whose drafter is the draft vLLM. The GPU stack is the base
+file with the override merged as compose merges it. The Dockerfile: a pinned base image,
+the dependency layer before the source, no models in the image, and a health check that
+follows the configured port (run as written against a local server)."""
 
 from __future__ import annotations
 
+import json
+import os
+import posixpath
 import re
+import subprocess
+import sys
+import threading
 import tomllib
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import urlparse
 
 import pytest
 import yaml
+from packaging.specifiers import SpecifierSet
 
 from proxy.cli import build_parser
 from proxy.drafter import parse_drafter_spec
 from proxy.drafter.served import ServedOptions
+from proxy.runtime import DEFAULT_TARGET_DIR
+from proxy.runtime import REPO_ROOT as RUNTIME_REPO_ROOT
 from proxy.server.app import settings_from_args
-from proxy.server.settings import ServerSettings
+from proxy.server.settings import ENV_PREFIX, ServerSettings, settings_from_sources
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SERVICES = {"vllm", "vllm-draft", "proxy"}  # target vLLM, draft vLLM, ddtree-proxy
@@ -207,3 +220,179 @@ def test_dockerfile_matches_the_package():
             assert (REPO_ROOT / path).exists(), path
     ignored = (REPO_ROOT / ".dockerignore").read_text().split()
     assert {".venv", ".venv-vllm", ".git"} <= set(ignored)
+
+
+# --- The Dockerfile, instruction by instruction ----------------------------------------
+
+
+def _dockerfile() -> list[tuple[str, str]]:
+    """(KEYWORD, arguments) per instruction, continuation lines joined, comments dropped."""
+    instructions = []
+    pending = ""
+    for line in (REPO_ROOT / "Dockerfile").read_text().splitlines():
+        if not pending and (not line.strip() or line.lstrip().startswith("#")):
+            continue
+        if line.rstrip().endswith("\\"):
+            pending += line.rstrip()[:-1] + " "
+            continue
+        keyword, _, arguments = (pending + line).strip().partition(" ")
+        instructions.append((keyword.upper(), arguments.strip()))
+        pending = ""
+    return instructions
+
+
+def _copy_sources(arguments: str) -> list[str]:
+    """The sources of `COPY [--flags] SRC... DEST`."""
+    paths = [word for word in arguments.split() if not word.startswith("--")]
+    return paths[:-1]
+
+
+def _is_under(path: str, folder: str) -> bool:
+    path = posixpath.normpath(path)
+    return path in (".", folder) or path.startswith(folder + "/")
+
+
+def _dockerignore() -> set[str]:
+    lines = (REPO_ROOT / ".dockerignore").read_text().splitlines()
+    return {line.strip().rstrip("/") for line in lines if line.strip() and not line.startswith("#")}
+
+
+def test_base_image_is_pinned():
+    """A full Python version and the image digest: a rebuild gets the same base, and the
+    Python it runs satisfies requires-python."""
+    (image,) = [arguments for keyword, arguments in _dockerfile() if keyword == "FROM"]
+    match = re.fullmatch(r"python:(\d+\.\d+\.\d+)-slim-(\w+)@sha256:([0-9a-f]{64})", image)
+    assert match, f"FROM {image}: want python:X.Y.Z-slim-DISTRO@sha256:DIGEST"
+    requires_python = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"][
+        "requires-python"
+    ]
+    assert SpecifierSet(requires_python).contains(match.group(1)), (image, requires_python)
+
+
+def test_dependencies_are_installed_before_the_source():
+    """Editing a file under proxy/ reuses the dependency layer: the dependencies are
+    installed from pyproject.toml alone, before the source is copied, and the package's
+    own install after the source resolves no dependencies."""
+    instructions = _dockerfile()
+
+    def first(what: str, matches) -> int:
+        found = [idx for idx, (keyword, args) in enumerate(instructions) if matches(keyword, args)]
+        assert found, f"no {what} in the Dockerfile"
+        return found[0]
+
+    dependencies_at = first(
+        "dependency install from pyproject.toml",
+        lambda keyword, args: (
+            keyword == "RUN" and "pip install" in args and "pyproject.toml" in args
+        ),
+    )
+    source_at = first(
+        "COPY of proxy/",
+        lambda keyword, args: (
+            keyword == "COPY" and any(_is_under(path, "proxy") for path in _copy_sources(args))
+        ),
+    )
+    assert dependencies_at < source_at
+    copied_first = {
+        path
+        for keyword, args in instructions[:dependencies_at]
+        if keyword == "COPY"
+        for path in _copy_sources(args)
+    }
+    assert copied_first == {"pyproject.toml"}, copied_first
+    installs_after = [
+        args
+        for keyword, args in instructions[source_at:]
+        if keyword == "RUN" and "pip install" in args
+    ]
+    assert installs_after and all("--no-deps" in args for args in installs_after)
+
+
+def test_models_are_mounted_not_baked_into_the_image():
+    instructions = _dockerfile()
+    copied = [
+        path for keyword, args in instructions if keyword == "COPY" for path in _copy_sources(args)
+    ]
+    assert not any(_is_under(path, "models") for path in copied), copied
+    ignored = _dockerignore()
+    assert "models" in ignored  # 43 MB the build never reads stays out of its context
+    assert not any(posixpath.normpath(path) in ignored for path in copied), (copied, ignored)
+    # Engine mode's default model paths are relative to the repository root, which is the
+    # WORKDIR only while the package is installed editable there; the documented mount
+    # must be that folder.
+    (workdir,) = [args for keyword, args in instructions if keyword == "WORKDIR"]
+    assert any(
+        keyword == "RUN" and re.search(r"pip install .*(-e|--editable) \.(\s|$)", args)
+        for keyword, args in instructions
+    )
+    models = DEFAULT_TARGET_DIR.relative_to(RUNTIME_REPO_ROOT).parts[0]
+    mount = f":{workdir}/{models}:ro"
+    assert mount in (REPO_ROOT / "Dockerfile").read_text()
+    assert mount in (REPO_ROOT / "README.md").read_text()
+
+
+class _Health(BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path == "/health" else 404)
+        self.end_headers()
+
+    def log_message(self, *args):  # no request lines in the test output
+        pass
+
+
+def test_healthcheck_probes_the_configured_port():
+    """The image's HEALTHCHECK, run as written, follows DDTREE_PORT (the variable the
+    server binds to): healthy when /health answers there, unhealthy when nothing does."""
+    variable = f"{ENV_PREFIX}PORT"
+    assert settings_from_sources({}, env={variable: "9123"}).port == 9123
+    (health,) = [args for keyword, args in _dockerfile() if keyword == "HEALTHCHECK"]
+    command = json.loads(health[health.index("CMD") + len("CMD") :])
+    assert command[0] == "python" and not re.search(r":\d+/health", " ".join(command)), command
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Health)
+    port = server.server_address[1]
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+
+    def probe() -> int:
+        env = {"PATH": os.environ.get("PATH", ""), variable: str(port)}
+        return subprocess.run(
+            [sys.executable, *command[1:]], env=env, capture_output=True
+        ).returncode
+
+    try:
+        assert probe() == 0
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+    assert probe() != 0
+
+
+# --- Compose: what vLLM-CPU needs, mounts, start order --------------------------------
+
+
+@pytest.mark.parametrize("name", ["vllm", "vllm-draft"])
+def test_vllm_cpu_may_bind_its_threads(name):
+    """vLLM's CPU docs run the image with --cap-add SYS_NICE and --security-opt
+    seccomp=unconfined (the engine pins its OpenMP threads to cores and their memory to a
+    NUMA node), and with a large /dev/shm (here the host's IPC namespace)."""
+    vllm = _load(*STACKS["cpu"])[name]
+    assert "VLLM_CPU_OMP_THREADS_BIND" in vllm["environment"]
+    assert "SYS_NICE" in vllm.get("cap_add", [])
+    assert any(re.fullmatch(r"seccomp[=:]unconfined", opt) for opt in vllm.get("security_opt", []))
+    assert vllm.get("ipc") == "host" or "shm_size" in vllm
+
+
+def test_model_mounts_are_read_only(stack):
+    _, services = stack
+    for name, service in services.items():
+        assert service["volumes"] and all(spec.endswith(":ro") for spec in service["volumes"]), name
+
+
+def test_gpu_draft_server_starts_after_the_target_is_healthy():
+    """vLLM sizes its KV cache from whole-GPU free-memory deltas, so two servers starting
+    together on one GPU count each other's loading as their own: the draft server starts
+    only once the target's is up."""
+    services = _load(*STACKS["gpu"])
+    assert "healthcheck" in services["vllm"]
+    assert services["vllm-draft"]["depends_on"] == {"vllm": {"condition": "service_healthy"}}
