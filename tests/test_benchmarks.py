@@ -192,6 +192,24 @@ def test_quick_proxy_report_against_real_vllm(vllm_server, tmp_path):
     )
 
 
+@pytest.mark.vllm
+def test_engine_steps_tell_a_batch_from_requests_one_at_a_time(vllm_server):
+    """`benchmarks.adaptive.engine_steps` counts vLLM's scheduler steps: a lone request
+    of 8 tokens takes 8 (its prefill yields the first), and 4 such prompts in one call,
+    batched, about as many as one (8-9: their prefills may take two steps) -- not 4 x 8,
+    what the report's slow cells show."""
+    from benchmarks.adaptive import engine_steps
+
+    prompts = [[11 + i, 12, 13, 14, 15, 16] for i in range(4)]
+    before = engine_steps(vllm_server.url)
+    vllm_server.complete_greedy(prompts[:1], max_tokens=8)
+    lone = engine_steps(vllm_server.url) - before
+    vllm_server.complete_greedy(prompts, max_tokens=8)
+    batched = engine_steps(vllm_server.url) - before - lone
+    assert lone == 8
+    assert 8 <= batched < 2 * 8
+
+
 @respx.mock
 def test_engine_steps_names_a_server_without_the_metric():
     respx.get("http://upstream.test/metrics").respond(200, text="# no vLLM here\nup 1\n")
