@@ -145,7 +145,7 @@ def load_engine(
     try:
         from transformers import AutoTokenizer
 
-        from proxy.backend.local import LocalTarget
+        from proxy.backend.engine.local import LocalTarget
     except ImportError as exc:
         raise ValueError(f"engine mode needs torch and transformers: {ENGINE_EXTRA_HINT}") from exc
     target_dir = Path(target_dir)

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 from proxy.backend.base import TargetError
-from proxy.backend.vllm_draft import parse_greedy_draft
 from proxy.decoding import GenerationRequest, TreeSettings, generate
 from proxy.drafter import DraftError, parse_drafter_spec
 from proxy.drafter.served import ServedOptions
+from proxy.drafter.vllm_client import parse_greedy_draft
 from proxy.runtime import load_engine
 
 

@@ -1,4 +1,4 @@
-"""The engine's lean decoder forward (`proxy.backend.decoder`), its device/dtype options
+"""The engine's lean decoder forward (`proxy.backend.engine.decoder`), its device/dtype options
 and the worker-thread intra-op setting.
 
 The decoder reruns a Transformers model's own weights with fewer ops; these tests hold
@@ -20,11 +20,11 @@ import torch
 from conftest import run
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from proxy.backend.decoder import Decoder
-from proxy.backend.local import LocalTarget, resolve_device, resolve_dtype
+from proxy.backend.engine.decoder import Decoder
+from proxy.backend.engine.hf import load_causal_lm, match_intra_op_threads, select_target_features
+from proxy.backend.engine.local import LocalTarget, resolve_device, resolve_dtype
 from proxy.decoding import GenerationRequest, TreeSettings, generate
 from proxy.drafter import load_drafter
-from proxy.hf import load_causal_lm, match_intra_op_threads, select_target_features
 from proxy.runtime import load_engine, target_info
 
 HAS_CUDA = torch.cuda.is_available()

@@ -18,7 +18,7 @@ import torch
 from conftest import run
 from scipy.stats import chisquare
 
-from proxy.backend.token_choice import filtered_probs
+from proxy.backend.engine.token_choice import filtered_probs
 from proxy.decoding import GenerationRequest, TreeSettings, generate
 from proxy.drafter import load_drafter
 from proxy.runtime import Runtime, load_engine, target_info

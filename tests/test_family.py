@@ -15,9 +15,9 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoTokenizer
 
+from proxy.backend.engine.hf import load_causal_lm
 from proxy.drafter import load_drafter
 from proxy.drafter.dflash_model import select_target_features
-from proxy.hf import load_causal_lm
 from proxy.runtime import target_info
 from training.dflash_objective import draft_block_logits
 from training.evaluate import evaluate_family, slice_windows

@@ -1,4 +1,4 @@
-"""`proxy.linear`: the CPU kernel choice behind the engine's and the DFlash drafter's
+"""`proxy.backend.engine.linear`: the CPU kernel choice behind the engine's and the DFlash drafter's
 matmuls. Both kernels must give F.linear's product (to fp32 rounding) on either side
 of the row threshold, and packing a module must leave its parameters as they were."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from proxy.linear import MIN_PACKED_ROWS, Linear, PackedLinear, pack_linears
+from proxy.backend.engine.linear import MIN_PACKED_ROWS, Linear, PackedLinear, pack_linears
 
 ONEDNN = torch.backends.mkldnn.is_available()
 

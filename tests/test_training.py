@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from proxy.hf import load_causal_lm
+from proxy.backend.engine.hf import load_causal_lm
 from training.distill import train_drafters
 from training.modelgen import random_qwen3
 from training.rollouts import RowSampler, greedy_rollouts

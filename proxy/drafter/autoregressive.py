@@ -15,8 +15,8 @@ import numpy as np
 import torch
 from transformers import DynamicCache
 
+from proxy.backend.engine.hf import crop_cache, load_causal_lm, match_intra_op_threads
 from proxy.drafter.base import TargetInfo
-from proxy.hf import crop_cache, load_causal_lm, match_intra_op_threads
 from proxy.tree import DraftDistribution
 
 

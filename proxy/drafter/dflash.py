@@ -6,7 +6,7 @@ target features of every committed token before the root. Block position d gives
 the distribution of depth d, so `max_depth = block_size - 1`; the full block is run
 even for a smaller depth because that is the shape the drafter was trained on.
 
-Features (see `FEATURE_LAYER_OFFSET` in `proxy.hf`): for each committed token
+Features (see `FEATURE_LAYER_OFFSET` in `proxy.backend.engine.hf`): for each committed token
 the target has processed, the outputs of target decoder layers `target_layer_ids`
 (0-based; Transformers `hidden_states[l + 1]`), concatenated in that order.
 
@@ -15,7 +15,7 @@ only on the features and their absolute positions), so a round projects only the
 new tokens' features and then runs block_size queries against the cache. New
 features are projected lazily, at the next `propose`.
 
-The draft network's matmuls and the output head run through `proxy.linear` (packed
+The draft network's matmuls and the output head run through `proxy.backend.engine.linear` (packed
 oneDNN weights on fp32 CPUs, as the engine's target forward). Embeddings and output
 head are the target's: shared modules in engine mode, or
 just the `embed_tokens` / `lm_head` tensors read from the target's safetensors in
@@ -37,6 +37,8 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
+from proxy.backend.engine.hf import match_intra_op_threads
+from proxy.backend.engine.linear import Linear, pack_linears
 from proxy.drafter.base import TargetInfo
 from proxy.drafter.dflash_model import (
     FEATURE_LAYER_OFFSET,
@@ -47,8 +49,6 @@ from proxy.drafter.dflash_model import (
     save_checkpoint,
     select_target_features,
 )
-from proxy.hf import match_intra_op_threads
-from proxy.linear import Linear, pack_linears
 from proxy.tree import DraftDistribution
 
 logger = logging.getLogger(__name__)

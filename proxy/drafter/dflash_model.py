@@ -45,9 +45,9 @@ from transformers import Qwen3Config
 from transformers.activations import ACT2FN
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-# The feature-layer convention lives in proxy.hf (the backend hands features out by it);
+# The feature-layer convention lives in proxy.backend.engine.hf (the backend hands features out by it);
 # re-exported here because it is part of the DFlash checkpoint format.
-from proxy.hf import FEATURE_LAYER_OFFSET, select_target_features  # noqa: F401
+from proxy.backend.engine.hf import FEATURE_LAYER_OFFSET, select_target_features  # noqa: F401
 
 ARCHITECTURE = "DFlashDraftModel"
 

@@ -1,7 +1,7 @@
 """A draft model served by a second, unmodified vLLM: `--drafter vllm:URL[,OPTION=VALUE...]`.
 
 Each round asks the draft server for the greedy continuation of the committed tokens
-with the top-k log-probs at every position (`proxy.backend.vllm_draft`: one
+with the top-k log-probs at every position (`proxy.drafter.vllm_client`: one
 /v1/completions call, token-id prompt, `temperature: 0`, `logprobs: k`). Those are the
 per-depth distributions an in-process autoregressive drafter computes (log-softmax over
 the full vocabulary, top-k per depth along its own greedy path), so on the same model
@@ -42,8 +42,8 @@ from typing import TYPE_CHECKING, Any, Sequence
 import numpy as np
 
 from proxy.backend.base import TargetError
-from proxy.backend.vllm_draft import GreedyDraft, VLLMDraftServer
 from proxy.drafter.base import DraftError, TargetInfo
+from proxy.drafter.vllm_client import GreedyDraft, VLLMDraftServer
 from proxy.tree import DraftDistribution
 
 if TYPE_CHECKING:

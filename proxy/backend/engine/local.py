@@ -19,9 +19,9 @@ import numpy as np
 import torch
 
 from proxy.backend.base import SessionOptions, TargetCounters, Verification
-from proxy.backend.decoder import Decoder
-from proxy.backend.token_choice import select_tokens
-from proxy.hf import load_causal_lm, match_intra_op_threads
+from proxy.backend.engine.decoder import Decoder
+from proxy.backend.engine.hf import load_causal_lm, match_intra_op_threads
+from proxy.backend.engine.token_choice import select_tokens
 from proxy.sampling import SamplingParams
 from proxy.tree import DraftTree, WalkResult
 

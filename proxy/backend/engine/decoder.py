@@ -10,7 +10,7 @@ math in about 25 tensor ops per layer over the model's own parameters:
   Transformers' own forward and `generate` keep working);
 * one KV buffer holds every layer, so keeping the accepted path is one gather;
 * RoPE comes from a table built once with the model's own rotary module;
-* every matmul is a `proxy.linear.Linear`: on fp32 CPUs, oneDNN over a packed copy of
+* every matmul is a `proxy.backend.engine.linear.Linear`: on fp32 CPUs, oneDNN over a packed copy of
   the weight from 2 rows up (a tree, a prefill: about 2x MKL's speed here), MKL for one
   (one decoding step).
 
@@ -24,8 +24,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from proxy.hf import FEATURE_LAYER_OFFSET, select_target_features
-from proxy.linear import Linear
+from proxy.backend.engine.hf import FEATURE_LAYER_OFFSET, select_target_features
+from proxy.backend.engine.linear import Linear
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen3")
 
