@@ -208,9 +208,10 @@ async def call(app, method: str, path: str, **kwargs):
 
 
 def test_an_answer_waits_for_the_simulated_engine_or_counts_as_late():
-    """A 3-prompt verification call: 2 steps of the dense 27B (~40 ms) at dilation 5
-    is ~0.2 s; an upstream that takes 0.05 s is held to it, and on time. At dilation
-    0.1 the simulated call is ~4 ms: the same upstream is late."""
+    """A 3-prompt verification call: the API server's cost and one step of the dense
+    27B (~20 ms) at dilation 20 is ~0.4 s; an upstream that takes 0.05 s is held to it,
+    and on time (a margin a loaded machine cannot eat). At dilation 0.1 the simulated
+    call is ~2 ms: the same upstream is late."""
     answer = {"choices": [{"index": i, "text": "x", "token_ids": [7]} for i in range(3)]}
 
     async def slow(request):
@@ -218,7 +219,7 @@ def test_an_answer_waits_for_the_simulated_engine_or_counts_as_late():
         return httpx.Response(200, json=answer)
 
     body = {"prompt": [prompt(40), prompt(40, 99), prompt(5, 7)], "max_tokens": 1}
-    for dilation, late in ((5.0, 0), (0.1, 1)):
+    for dilation, late in ((20.0, 0), (0.1, 1)):
         app = create_app(UPSTREAM, DENSE, dilation)
         with respx.mock(assert_all_called=False) as mock:
             mock.post(f"{UPSTREAM}/v1/completions").mock(side_effect=slow)
@@ -263,7 +264,7 @@ def read_stream(url: str, body: dict, stop_after: int | None = None) -> tuple[li
 
 
 def test_a_stream_is_paced_token_by_token_by_the_engine():
-    dilation = 4.0  # a decode step of the dense 27B: ~16 ms simulated, ~64 ms here
+    dilation = 10.0  # a decode step of the dense 27B: ~16 ms simulated, ~0.16 s here
     body = {"prompt": prompt(30), "max_tokens": 4, "stream": True}
     with BackgroundServer(fake_vllm(4, gap_s=0.0)) as upstream:
         with BackgroundServer(create_app(upstream.url, DENSE, dilation)) as sim:

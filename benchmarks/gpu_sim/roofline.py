@@ -27,10 +27,11 @@ attention-only target of that size the proxy is built for (`cost_model`'s `dense
 
 The efficiencies (`Efficiency`) are ASSUMPTIONS, chosen once for both profiles and both
 GPUs and checked against published vLLM decode figures in `benchmarks.gpu_sim.validation`:
-75 % of datasheet bandwidth (this workplace's H200 copied 4.3 TB/s counting read and
-write, `cost_model.H200_BANDWIDTH`; a decode step streams weights at less than a
-copy), 55 % of peak FLOP/s for prefill (as `cost_model.PREFILL_MFU`), 2 ms per step
-and 40 us per scheduled sequence (vLLM's scheduler, sampler and output processing).
+75 % of datasheet bandwidth (about the cost model's decode rate: 85 % of the 4.3 TB/s
+this workplace's H200 copied, `cost_model.H200_BANDWIDTH`), 55 % of peak FLOP/s for
+prefill (`cost_model.PREFILL_MFU`, there of a measured 788 TFLOP/s), 2 ms per step and
+40 us per scheduled sequence (vLLM's scheduler, sampler and output processing; these
+two were set with the published figures in view).
 """
 
 from __future__ import annotations

@@ -21,6 +21,17 @@ server's costs set to zero (an offline run has no HTTP front end). Sources:
   Llama-3.1-8B, input 32, output 128, batch 8, mean latency 833.421 ms),
   https://buildkite.com/vllm/performance-benchmark/builds/9515.
 
+As of this writing (`python -m benchmarks.gpu_sim.validation`; tests/test_gpu_sim.py
+holds every row within 25 %):
+
+| GPU | batch | in / out | published | simulated | tok/s per request | error |
+|---|---|---|---|---|---|---|
+| H100 | 1 | 128 / 128 | 0.994 s | 1.027 s | 129 / 125 | +3% |
+| H100 | 16 | 128 / 128 | 1.165 s | 1.170 s | 110 / 109 | +0% |
+| H100 | 32 | 128 / 128 | 1.307 s | 1.325 s | 98 / 97 | +1% |
+| H100 | 64 | 128 / 128 | 1.688 s | 1.635 s | 76 / 78 | -3% |
+| H200 | 8 | 32 / 128 | 0.833 s | 0.837 s | 154 / 153 | +0% |
+
 No published vLLM figure for a dense ~27B model on one H100 or H200 at batch 1 or 16
 was found in vLLM's docs, issues, recipes and benchmark pages (searched 2026-12-03):
 the dense 27B profile is not validated on its own, only through the efficiencies it
