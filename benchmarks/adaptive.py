@@ -60,8 +60,9 @@ NGRAM_SPEC = (
 CONFIGS = ("direct", "fixed", "adaptive")
 BUDGET = 8
 STEPS_METRIC = "vllm:iteration_tokens_total_count"
-# Wall seconds per simulated second behind the GPU simulator, one for every cell (late
-# shares per dilation: benchmarks/README.md, "The GPU simulator").
+# Wall seconds per simulated second behind the GPU simulator, one for every cell: the
+# smallest tried whose median late share was at most 10 % in five of the six cells on a
+# loaded 2-core host (none kept all at 5 %; benchmarks/README.md, "The GPU simulator").
 DILATION = 12.0
 
 
