@@ -20,6 +20,7 @@ import httpx
 import pytest
 import respx
 from background_server import BackgroundServer
+from tokenizers import Tokenizer
 
 from proxy.backend.base import TargetError
 from proxy.decoding import TreeSettings
@@ -123,6 +124,15 @@ def upstream() -> MockUpstream:
 
 @pytest.fixture(scope="module")
 def server(upstream, target_dirs):
+    # The start-up check of the local tokenizer against the server's
+    # (`proxy.runtime.check_tokenizer`): the mock decodes as the model's tokenizer does.
+    tokenizer = Tokenizer.from_file(str(target_dirs["t2x64"] / "tokenizer.json"))
+    upstream.router.post("/detokenize").mock(
+        side_effect=lambda request: httpx.Response(
+            200,
+            json={"prompt": tokenizer.decode(json.loads(request.content)["tokens"], False)},
+        )
+    )
     settings = ServerSettings(
         target_url=UPSTREAM,
         tokenizer=str(target_dirs["t2x64"]),  # EOS ids and local (de)tokenization

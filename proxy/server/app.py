@@ -141,12 +141,13 @@ async def _serve(settings: ServerSettings) -> int:
             app, host=settings.host, port=settings.port, log_level=settings.log_level
         )
         logger.warning(
-            "ddtree-proxy (%s, target %s) serving %s on http://%s:%d",
+            "ddtree-proxy (%s, target %s) serving %s on http://%s:%d; text: %s",
             runtime.target.label,
             settings.target_url or "in-process",
             runtime.model_name,
             settings.host,
             settings.port,
+            runtime.text_source,
         )
         await uvicorn.Server(config).serve()
     finally:

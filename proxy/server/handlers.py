@@ -33,7 +33,7 @@ from proxy.runtime import Runtime, build_runtime
 from proxy.server.admission import Admission
 from proxy.server.errors import RequestError, upstream_error
 from proxy.server.generation import Responder
-from proxy.server.metrics import DrafterCollector, ServerMetrics
+from proxy.server.metrics import DrafterCollector, ServerMetrics, UpstreamCallsCollector
 from proxy.server.passthrough import relay
 from proxy.server.plan import opted_out, plan_request
 from proxy.server.request_models import REQUEST_MODELS, Endpoint
@@ -67,6 +67,7 @@ class Handlers:
         if upstream is not None:
             retries = self.metrics.upstream_retries
             upstream.on_retry = lambda kind: retries.labels(kind).inc()
+            self.metrics.registry.register(UpstreamCallsCollector(upstream.num_calls))
 
     async def stop(self) -> None:
         if self._owns_runtime and self._runtime is not None:

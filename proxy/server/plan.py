@@ -153,6 +153,7 @@ async def plan_request(
             logprobs=want_logprobs,
             strategy=strategy,
             stream=bool(parsed.stream),
+            remote_text=runtime.remote_text,
         )
     except PromptError as exc:
         raise RequestError(f"{prompt_field}: {exc}", param=prompt_field) from None
