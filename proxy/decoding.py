@@ -14,7 +14,7 @@ import dataclasses
 import functools
 import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Literal
+from typing import Any, AsyncIterator, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
@@ -75,6 +75,10 @@ class GenerationRequest:
     # host): one decode of the whole output per round, and plain generation's tokens in
     # pieces even for a stream -- never a call per token.
     remote_text: bool = False
+    # The sampling fields the client set, as it set them (vLLM's names): a remote target
+    # sends these and no others, so its server applies its own defaults to the rest.
+    # None: `sampling` is the whole rule (sent in full).
+    sampling_fields: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:
@@ -207,6 +211,7 @@ async def stream_generate(
         want_logprobs=request.logprobs,
         strategy=request.strategy,
         stop_token_ids=request.stop_token_ids,
+        sampling_fields=request.sampling_fields,
     )
     controller: Controller | None = None
     if adaptive is not None and use_drafter and settings.policy == "adaptive":

@@ -30,6 +30,7 @@ from proxy.backend.vllm import RetryPolicy, VLLMHttp, VLLMTarget
 from proxy.backend.vllm_tokens import VLLMTokens
 from proxy.drafter import load_drafter, parse_drafter_spec
 from proxy.drafter.base import Drafter, TargetInfo
+from proxy.generation_defaults import GenerationDefaults, load_generation_defaults
 from proxy.model_files import ModelFiles, find_model_files
 from proxy.output import Detokenize
 from proxy.settings import RuntimeSettings
@@ -62,7 +63,9 @@ class Runtime:
     tokens: Tokens
     model_name: str
     vocab_size: int | None  # None when unknown (remote tokenizer, no local config)
-    sampling_defaults: dict[str, float | int] = field(default_factory=dict)
+    # What the server applies to fields a request leaves unset (engine mode: the
+    # target's temperature, top_p, top_k and max_new_tokens, applied by the proxy).
+    generation_defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
     # Where requests DDTree does not serve go unchanged; None: nowhere (engine mode).
     upstream: VLLMHttp | None = None
     # Where output text comes from, for the start-up log.
@@ -176,7 +179,7 @@ def load_engine(
         tokens=LocalTokens(tokenizer),
         model_name=target.name,
         vocab_size=int(target.model.config.vocab_size),
-        sampling_defaults=sampling_defaults(target_dir),
+        generation_defaults=engine_defaults(target_dir),
     )
 
 
@@ -185,6 +188,8 @@ def _build_engine(settings: RuntimeSettings) -> Runtime:
         raise ValueError("--tokenizer is for proxy mode; engine mode uses the target's own")
     if settings.strategy is not None:
         raise ValueError("--strategy is for proxy mode (it says how vLLM verifies a tree)")
+    if settings.generation_config != "auto":
+        raise ValueError("--generation-config is for proxy mode (it mirrors vLLM's flag)")
     target_dir = Path(settings.target or DEFAULT_TARGET_DIR)
     drafter_spec = None if settings.tree.kind == "none" else settings.drafter or DEFAULT_DRAFTER
     if drafter_spec and parse_drafter_spec(drafter_spec)[0] == "vllm":
@@ -269,7 +274,7 @@ async def _build_proxy(
             tokens=tokens,
             model_name=target.name,
             vocab_size=vocab_size,
-            sampling_defaults=sampling_defaults(model_dir),
+            generation_defaults=load_generation_defaults(settings.generation_config, model_dir),
             upstream=target.http,
             text_source=text_source,
             remote_text=tokens is remote,
@@ -336,13 +341,13 @@ def _read_config(model_dir: Path | None) -> dict[str, Any]:
     return json.loads((model_dir / "config.json").read_text())
 
 
-def sampling_defaults(model_dir: str | Path | None) -> dict[str, float | int]:
-    """Sampling defaults a vLLM server applies for this model when a request leaves them
-    out: the temperature / top_p / top_k of its generation_config.json, if any."""
-    if model_dir is None:
-        return {}
-    path = Path(model_dir) / "generation_config.json"
-    if not path.is_file():
-        return {}
-    config = json.loads(path.read_text())
-    return {name: config[name] for name in ("temperature", "top_p", "top_k") if name in config}
+def engine_defaults(target_dir: Path) -> GenerationDefaults:
+    """Engine mode's defaults: the target's generation_config.json, as vLLM would read it,
+    less what the in-process sampler does not implement (penalties, min_p: logged)."""
+    defaults = load_generation_defaults("auto", target_dir)
+    applied = ("temperature", "top_p", "top_k", "max_tokens")
+    ignored = sorted(set(defaults.values) - set(applied))
+    if ignored:
+        logger.warning("engine mode does not apply the target's default %s", ", ".join(ignored))
+    values = {name: value for name, value in defaults.values.items() if name in applied}
+    return GenerationDefaults(values, source=defaults.source)

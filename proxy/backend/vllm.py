@@ -421,6 +421,7 @@ class VLLMSession:
         self.want_logprobs = options.want_logprobs
         self.strategy: Strategy = options.strategy or DEFAULT_STRATEGY
         self.stop_token_ids = [int(t) for t in options.stop_token_ids]
+        self.sampling_fields = options.sampling_fields
         self.counters = TargetCounters()
         self.prompt_features = None
 
@@ -496,24 +497,30 @@ class VLLMSession:
         return Verification(tokens=tokens, logprobs=logprobs if self.want_logprobs else None)
 
     def _body(self, prompt: Any, max_tokens: int) -> dict[str, Any]:
-        params = self.params
         body: dict[str, Any] = {
             "model": self.target.name,
             "prompt": prompt,
             "max_tokens": max_tokens,
             "return_token_ids": True,
-            "temperature": params.temperature,
-            "top_p": params.top_p,
-            "top_k": params.top_k if params.top_k > 0 else -1,
-            # Neutral values override any generation_config defaults of the server:
-            # SamplingParams is the whole decoding rule we reproduce.
-            "min_p": 0.0,
-            "repetition_penalty": 1.0,
-            "presence_penalty": 0.0,
-            "frequency_penalty": 0.0,
             "ignore_eos": True,
             "skip_special_tokens": False,
         }
+        if self.sampling_fields is not None:
+            # The client's own fields only: vLLM fills in its defaults (the model's
+            # generation_config.json) exactly as for the client's direct request.
+            body.update(self.sampling_fields)
+        else:
+            # SamplingParams is the whole rule: neutral values override any defaults.
+            params = self.params
+            body.update(
+                temperature=params.temperature,
+                top_p=params.top_p,
+                top_k=params.top_k if params.top_k > 0 else -1,
+                min_p=0.0,
+                repetition_penalty=1.0,
+                presence_penalty=0.0,
+                frequency_penalty=0.0,
+            )
         if self.stop_token_ids:
             # Harmless for one token (a stop token still comes back in token_ids), and
             # vLLM then refuses out-of-vocabulary ids as it would the client's request,

@@ -141,13 +141,15 @@ async def _serve(settings: ServerSettings) -> int:
             app, host=settings.host, port=settings.port, log_level=settings.log_level
         )
         logger.warning(
-            "ddtree-proxy (%s, target %s) serving %s on http://%s:%d; text: %s",
+            "ddtree-proxy (%s, target %s) serving %s on http://%s:%d; text: %s; "
+            "generation defaults: %s",
             runtime.target.label,
             settings.target_url or "in-process",
             runtime.model_name,
             settings.host,
             settings.port,
             runtime.text_source,
+            runtime.generation_defaults.describe(),
         )
         await uvicorn.Server(config).serve()
     finally:

@@ -3,9 +3,10 @@
 A generation request is either served by the one decoding loop (through
 `proxy.server.generation.Responder`) or, where the runtime has an upstream (proxy
 mode), passed to vLLM unchanged: when it asks for something DDTree cannot reproduce
-losslessly (see `proxy.server.request_models`), when it opts out (`"ddtree":
-{"enabled": false}` or header `x-ddtree: off`), or when it names another model than
-the one DDTree verifies against. Without an upstream (engine mode) such requests are
+losslessly (see `proxy.server.request_models`) or leaves such a server default in force
+(`proxy.generation_defaults`), when it opts out (`"ddtree": {"enabled": false}` or
+header `x-ddtree: off`), or when it names another model than the one DDTree verifies
+against. Without an upstream (engine mode) such requests are
 refused with a 400 naming the field. Errors follow OpenAI's shape; an upstream
 failure is a 502 (504 on timeout).
 
@@ -99,6 +100,9 @@ class Handlers:
         if runtime.upstream is not None:
             if reason is None and model is not None and model != runtime.model_name:
                 reason = "model"  # e.g. a LoRA adapter: not the target DDTree verifies
+            if reason is None:
+                # A default penalty over output tokens that the request leaves in force.
+                reason = runtime.generation_defaults.passthrough_reason(body)
             if disabled or reason is not None:
                 return await self.passthrough(
                     request, endpoint, raw, body, reason="opt_out" if disabled else reason
