@@ -6,7 +6,7 @@ mode), passed to vLLM unchanged: when it asks for something DDTree cannot reprod
 losslessly (see `proxy.server.request_models`) or leaves such a server default in force
 (`proxy.generation_defaults`), when it opts out (`"ddtree": {"enabled": false}` or
 header `x-ddtree: off`), or when it names another model than the one DDTree verifies
-against. Without an upstream (engine mode) such requests are
+against. Every other route vLLM serves is relayed as it is (`relay_route`). Without an upstream (engine mode) such requests are
 refused with a 400 naming the field. Errors follow OpenAI's shape; an upstream
 failure is a 502 (504 on timeout).
 
@@ -214,6 +214,19 @@ class Handlers:
         return await relay(upstream, self.metrics, request, "POST", PATHS[endpoint], raw)
 
     # ----- other routes -----------------------------------------------------------
+
+    async def relay_route(self, request: Request) -> Response:
+        """Any other route (proxy mode): to vLLM as it is -- method, path, query,
+        headers, body -- and its answer back as it is, streaming included; under the
+        proxy's body limit, its API key guarding what vLLM's would (`app`)."""
+        upstream = self.runtime.upstream
+        if upstream is None:
+            raise RequestError("Not Found", status=404, err_type="NotFoundError")
+        raw = await self._read_body(request)
+        self.metrics.relayed.labels(request.method).inc()
+        return await relay(
+            upstream, self.metrics, request, request.method, request.url.path, raw or None
+        )
 
     async def models(self, request: Request) -> Response:
         runtime = self.runtime

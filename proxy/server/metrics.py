@@ -54,6 +54,12 @@ class ServerMetrics:
             "Requests sent to the upstream unchanged, by the field that required it",
             "reason",
         )
+        self.relayed = _counter(
+            registry,
+            "ddtree_relayed",
+            "Requests to vLLM's other routes (not generation), relayed as they are, by method",
+            "method",
+        )
         self.rounds = _counter(registry, "ddtree_rounds", "Draft-verify rounds")
         self.generated_tokens = _counter(
             registry, "ddtree_generated_tokens", "Tokens emitted by DDTree-served requests"
