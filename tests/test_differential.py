@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 import subprocess
 import time
 import urllib.error
@@ -326,6 +327,38 @@ def test_models_listing_is_vllms(vllm_server, proxy_url):
 
     assert listing(proxy_url) == listing(vllm_server.url)
     assert [m["id"] for m in listing(proxy_url)] == [vllm_server.model]
+
+
+# ----- text from vLLM, where the proxy has no matching tokenizer --------------------------
+
+
+def test_a_tokenizer_that_is_not_the_servers_falls_back_to_vllms_text(vllm_server, tmp_path):
+    """`--tokenizer` naming another model's tokenizer.json (the shipped family's, another
+    vocabulary): the start-up check (one /detokenize, one /tokenize) notices, and text
+    comes from vLLM's /detokenize -- answers still vLLM's, one decode call per round
+    (plain generation in pieces), never one per streamed token."""
+    other = tmp_path / "other-tokenizer"
+    other.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(REPO_ROOT / "models" / "pycoder" / "target" / name, other / name)
+    settings = ServerSettings(target_url=vllm_server.url, tokenizer=str(other), log_level="warning")
+    vocab_size = json.loads((vllm_server.model_dir / "config.json").read_text())["vocab_size"]
+    cases = generate_cases(CI_SEED + 1, 120, vllm_server.model, vocab_size, 2048)
+    with BackgroundServer(create_app(settings)) as proxy:
+        results = asyncio.run(run_cases(vllm_server.url, proxy.url, cases))
+        assert [r for r in results if r.diffs] == [], report(results)
+        for prompt in ("def fib(n):\n", "import os\n", "x"):
+            before = metric(proxy.url, 'ddtree_upstream_aux_calls_total{path="/detokenize"}')
+            body = {"model": vllm_server.model, "prompt": prompt, "max_tokens": 40,
+                    "temperature": 0, "ignore_eos": True, "stream": True,
+                    "stream_options": {"include_usage": True}}  # fmt: skip
+            events = httpx.post(proxy.url + "/v1/completions", json=body, timeout=300).text
+            usage = [json.loads(line[6:]) for line in events.splitlines()
+                     if line.startswith("data: {") and '"usage"' in line][-1]["usage"]  # fmt: skip
+            calls = metric(proxy.url, 'ddtree_upstream_aux_calls_total{path="/detokenize"}') - before
+            stats = usage["ddtree"]
+            pieces = stats["plain_tokens"] // 8 + 2 * stats["plain_calls"]
+            assert 0 < calls <= stats["rounds"] + pieces + 1, (calls, stats)
 
 
 # ----- every other route vLLM serves ----------------------------------------------------
