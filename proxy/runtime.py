@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 
 from proxy.adaptive import AdaptiveState
-from proxy.backend.base import Target
+from proxy.backend.base import Target, TargetError
 from proxy.backend.vllm import RetryPolicy, VLLMHttp, VLLMTarget
 from proxy.backend.vllm_tokens import VLLMTokens
 from proxy.drafter import load_drafter, parse_drafter_spec
@@ -247,8 +247,8 @@ async def _build_proxy(
         model_dir = files.model_dir or files.tokenizer_dir
         config = _read_config(model_dir)
         remote = VLLMTokens.of(target, files.tokenizer_dir)
-        tokens, text_source = await _text_source(files, remote)
         vocab_size = int(config["vocab_size"]) if "vocab_size" in config else None
+        tokens, text_source = await _text_source(files, remote, vocab_size)
         if settings.tree.kind != "none":
             info = TargetInfo(
                 # Without a local config the bounds are unknown: 2**31 - 1 lets any
@@ -287,7 +287,9 @@ async def _build_proxy(
         raise
 
 
-async def _text_source(files: ModelFiles, server: VLLMTokens) -> tuple[Tokens, str]:
+async def _text_source(
+    files: ModelFiles, server: VLLMTokens, vocab_size: int | None
+) -> tuple[Tokens, str]:
     """The model's tokenizer.json in this process when there is one here, checked
     against the server's tokenizer (`check_tokenizer`); else the server's /detokenize.
     (Tokens, a line for the start-up log.)"""
@@ -300,7 +302,14 @@ async def _text_source(files: ModelFiles, server: VLLMTokens) -> tuple[Tokens, s
         return server, "vLLM's /detokenize (no tokenizer.json on this host)"
     local = await asyncio.to_thread(TokenizerFile.load, files.tokenizer_dir, server)
     where = files.found_by["tokenizer_dir"]
-    same_text, same_tokens = await check_tokenizer(local, server)
+    try:
+        same_text, same_tokens = await check_tokenizer(local, server, vocab_size)
+    except TargetError as exc:
+        if exc.kind != "http" or exc.retriable:
+            raise  # the upstream is failing: start-up fails as on any other call
+        # A server that refuses the probe itself (4xx): nothing to compare with.
+        logger.warning("could not check the tokenizer.json in %s against the server: %s", where, exc)
+        same_text = same_tokens = True
     if not same_text:
         logger.warning(
             "the tokenizer.json in %s does not decode as the server does: output text "
@@ -319,16 +328,18 @@ async def _text_source(files: ModelFiles, server: VLLMTokens) -> tuple[Tokens, s
     return local, f"tokenizer.json in {where}; chat prompts through vLLM's /tokenize"
 
 
-async def check_tokenizer(local: TokenizerFile, server: Tokens) -> tuple[bool, bool]:
+async def check_tokenizer(
+    local: TokenizerFile, server: Tokens, vocab_size: int | None = None
+) -> tuple[bool, bool]:
     """(same text, same tokens): does the server's tokenizer decode and tokenize as
-    `local` does? One /detokenize of ids spread over the vocabulary and one /tokenize of
-    PROBE_TEXT with the added tokens in it (Transformers rebuilds the pipeline of some
-    model-specific tokenizer classes from their vocabulary, so tokenizer.json alone is
-    not proof)."""
-    vocab_size = local.vocab_size
-    ids = list(range(0, vocab_size, max(1, vocab_size // NUM_PROBE_IDS)))
+    `local` does? One /detokenize of ids spread over the vocabulary (below `vocab_size`,
+    the model's, when known) and one /tokenize of PROBE_TEXT with the added tokens in it
+    (Transformers rebuilds the pipeline of some model-specific tokenizer classes from
+    their vocabulary, so tokenizer.json alone is not proof)."""
+    limit = min(local.vocab_size, vocab_size or local.vocab_size)
+    ids = list(range(0, limit, max(1, limit // NUM_PROBE_IDS)))
     added = list(local.tokenizer.get_added_tokens_decoder().items())
-    ids += [token_id for token_id, _ in added if token_id < vocab_size]
+    ids += [token_id for token_id, _ in added if token_id < limit]
     text = PROBE_TEXT + "".join(token.content for _, token in added)
     same_text = await server.decode(ids, False) == await local.decode(ids, False)
     same_tokens = await server.encode(text, True) == await local.encode(text, True)

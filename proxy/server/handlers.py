@@ -6,9 +6,9 @@ mode), passed to vLLM unchanged: when it asks for something DDTree cannot reprod
 losslessly (see `proxy.server.request_models`) or leaves such a server default in force
 (`proxy.generation_defaults`), when it opts out (`"ddtree": {"enabled": false}` or
 header `x-ddtree: off`), or when it names another model than the one DDTree verifies
-against. Every other route vLLM serves is relayed as it is (`relay_route`). Without an upstream (engine mode) such requests are
-refused with a 400 naming the field. Errors follow OpenAI's shape; an upstream
-failure is a 502 (504 on timeout).
+against. Without an upstream (engine mode) such requests are refused with a 400 naming
+the field. Every other route vLLM serves is relayed as it is (`relay_route`). Errors
+follow OpenAI's shape; an upstream failure is a 502 (504 on timeout).
 
 Hardening (docs/RELIABILITY.md): bodies over `max_body_bytes` get a 413 (after the
 body has been drained, so the client receives it); at most
