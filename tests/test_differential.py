@@ -332,15 +332,17 @@ def test_models_listing_is_vllms(vllm_server, proxy_url):
 # ----- text from vLLM, where the proxy has no matching tokenizer --------------------------
 
 
-def test_a_tokenizer_that_is_not_the_servers_falls_back_to_vllms_text(vllm_server, tmp_path):
-    """`--tokenizer` naming another model's tokenizer.json (the shipped family's, another
-    vocabulary): the start-up check (one /detokenize, one /tokenize) notices, and text
-    comes from vLLM's /detokenize -- answers still vLLM's, one decode call per round
-    (plain generation in pieces), never one per streamed token."""
-    other = tmp_path / "other-tokenizer"
+def test_a_tokenizer_that_decodes_otherwise_falls_back_to_vllms_text(vllm_server, tmp_path):
+    """`--tokenizer` naming a copy of the model's tokenizer.json without its decoder
+    (the case of a pipeline Transformers rebuilds differently): the start-up check (one
+    /detokenize, one /tokenize) notices, and text comes from vLLM's /detokenize --
+    answers still vLLM's, one decode call per round (plain generation in pieces), never
+    one per streamed token."""
+    other = tmp_path / "other-decoder"
     other.mkdir()
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(REPO_ROOT / "models" / "pycoder" / "target" / name, other / name)
+    shutil.copy(vllm_server.model_dir / "tokenizer_config.json", other)
+    tokenizer = json.loads((vllm_server.model_dir / "tokenizer.json").read_text())
+    (other / "tokenizer.json").write_text(json.dumps(tokenizer | {"decoder": None}))
     settings = ServerSettings(target_url=vllm_server.url, tokenizer=str(other), log_level="warning")
     vocab_size = json.loads((vllm_server.model_dir / "config.json").read_text())["vocab_size"]
     cases = generate_cases(CI_SEED + 1, 120, vllm_server.model, vocab_size, 2048)
