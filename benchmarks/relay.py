@@ -14,8 +14,9 @@ clients x random-token prompts (`--prompt-tokens` random ids, sent as token ids)
 HumanEval code prompts (sent as text); `--clients` concurrent clients, greedy, EOS
 ignored, `--max-tokens` each. Per run: completion tokens per second (usage counts),
 vLLM's engine steps (`benchmarks.adaptive.engine_steps`: a cell whose requests vLLM ran
-one at a time shows there) and the proxy's auxiliary calls to vLLM (/tokenize,
-/detokenize). A cell's tokens/s is the median over repetitions; its ratios are the
+one at a time shows there), the proxy's auxiliary calls to vLLM (/tokenize,
+/detokenize) and the proxy process's CPU milliseconds per generated token (on a small
+host every one of them is taken from vLLM). A cell's tokens/s is the median over repetitions; its ratios are the
 median of the ratios within each repetition.
 
 `--bench-serve` adds vLLM's own load client, `vllm bench serve` (random dataset,
@@ -99,6 +100,12 @@ async def _run_clients(
         return sum(await asyncio.gather(*(one(prompt) for prompt in prompts)))
 
 
+def cpu_seconds(pid: int) -> float:
+    """CPU time (user + system) process `pid` has used so far (/proc/PID/stat)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def aux_calls(proxy_url: str) -> float:
     """The proxy's auxiliary calls to vLLM so far (all paths)."""
     text = httpx.get(f"{proxy_url}/metrics", timeout=30).text
@@ -107,9 +114,10 @@ def aux_calls(proxy_url: str) -> float:
 
 
 def run_cells(
-    vllm_url: str, proxy_url: str, model: str, prompt_sets: dict[str, list], args
+    vllm_url: str, proxy: servers.ServerProcess, model: str, prompt_sets: dict[str, list], args
 ) -> list[dict]:
     """Every cell's repetitions; one row per (cell, configuration)."""
+    proxy_url = proxy.url
     targets = {"direct": (vllm_url, {}), "passthrough": (proxy_url, {"x-ddtree": "off"}),
                "default": (proxy_url, {})}  # fmt: skip
     rows = []
@@ -122,13 +130,15 @@ def run_cells(
                 for config in order:
                     url, headers = targets[config]
                     steps, calls = engine_steps(vllm_url), aux_calls(proxy_url)
-                    start = time.perf_counter()
+                    cpu, start = cpu_seconds(proxy.pid), time.perf_counter()
                     tokens = asyncio.run(_run_clients(url, model, prompts, args.max_tokens,
                                                       args.clients, client == "stream", headers))  # fmt: skip
                     elapsed = time.perf_counter() - start
                     runs[config].append({"tokens_per_s": tokens / elapsed,
                                          "engine_steps": engine_steps(vllm_url) - steps,
-                                         "aux_calls": aux_calls(proxy_url) - calls})  # fmt: skip
+                                         "aux_calls": aux_calls(proxy_url) - calls,
+                                         "proxy_cpu_ms_per_token":
+                                             1000 * (cpu_seconds(proxy.pid) - cpu) / tokens})  # fmt: skip
             rows += summarize({"client": client, "prompts": set_name}, runs)
             for row in rows[-len(CONFIGS) :]:
                 print(json.dumps(row), file=sys.stderr)
@@ -149,6 +159,7 @@ def summarize(cell: dict, runs: dict[str, list[dict]]) -> list[dict]:
             "rep_tokens_per_s": rates[config].tolist(),
             "rep_engine_steps": [run["engine_steps"] for run in reps],
             "rep_aux_calls": [run["aux_calls"] for run in reps],
+            "rep_proxy_cpu_ms_per_token": [run["proxy_cpu_ms_per_token"] for run in reps],
         })  # fmt: skip
     return rows
 
@@ -200,19 +211,21 @@ def summarize_bench_serve(runs: dict[str, list[dict]]) -> list[dict]:
             for config in runs]  # fmt: skip
 
 
-def _range(values: list[float]) -> str:
-    return f"{min(values):.0f}-{max(values):.0f}" if values else "-"
+def _range(values: list[float], spec: str = ".0f") -> str:
+    return f"{min(values):{spec}}-{max(values):{spec}}" if values else "-"
 
 
 def markdown(rows: list[dict], bench_rows: list[dict]) -> str:
     """The report: every configuration of every cell, then vLLM's load client."""
     lines = ["| client | prompts | config | tok/s | vs direct | vs pass-through "
-             "| engine steps | aux calls |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+             "| engine steps | aux calls | proxy CPU ms/token |",
+             "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for row in rows:
         lines.append(
             f"| {row['client']} | {row['prompts']} | {row['config']} | {row['tokens_per_s']:.1f} "
             f"| {row['vs_direct']:.2f} | {row['vs_passthrough']:.2f} "
-            f"| {_range(row['rep_engine_steps'])} | {_range(row['rep_aux_calls'])} |"
+            f"| {_range(row['rep_engine_steps'])} | {_range(row['rep_aux_calls'])} "
+            f"| {_range(row['rep_proxy_cpu_ms_per_token'], '.2f')} |"
         )
     if bench_rows:
         lines += ["", "`vllm bench serve` (random dataset):", "",
@@ -256,14 +269,8 @@ def main(argv: list[str] | None = None) -> int:
         with servers.start(command, port=port, log_path=logs / "relay-proxy.log",
                            name="ddtree-proxy") as proxy:  # fmt: skip
             warm = {"random": random_ids[:2], "code": texts[:2]}
-            run_cells(
-                vllm.url,
-                proxy.url,
-                vllm.model,
-                warm,
-                argparse.Namespace(**{**vars(args), "reps": 1}),
-            )
-            rows = run_cells(vllm.url, proxy.url, vllm.model, prompt_sets, args)
+            run_cells(vllm.url, proxy, vllm.model, warm, argparse.Namespace(**{**vars(args), "reps": 1}))
+            rows = run_cells(vllm.url, proxy, vllm.model, prompt_sets, args)
             bench_rows = (
                 bench_serve_rows(vllm.url, proxy.url, model_dir, args) if args.bench_serve else []
             )

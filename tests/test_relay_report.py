@@ -8,8 +8,9 @@ import pytest
 from benchmarks.relay import CONFIGS, markdown, summarize, summarize_bench_serve
 
 
-def _run(tokens_per_s: float, steps: float = 100, calls: float = 0) -> dict:
-    return {"tokens_per_s": tokens_per_s, "engine_steps": steps, "aux_calls": calls}
+def _run(tokens_per_s: float, steps: float = 100, calls: float = 0, cpu: float = 0.5) -> dict:
+    return {"tokens_per_s": tokens_per_s, "engine_steps": steps, "aux_calls": calls,
+            "proxy_cpu_ms_per_token": cpu}  # fmt: skip
 
 
 def test_ratios_are_medians_of_within_repetition_ratios():
@@ -18,7 +19,7 @@ def test_ratios_are_medians_of_within_repetition_ratios():
     runs = {
         "direct": [_run(100), _run(10), _run(110)],
         "passthrough": [_run(90), _run(9), _run(99)],
-        "default": [_run(81), _run(8.1), _run(89.1, steps=300, calls=4)],
+        "default": [_run(81), _run(8.1), _run(89.1, steps=300, calls=4, cpu=1.25)],
     }
     rows = {row["config"]: row for row in summarize({"client": "stream", "prompts": "random"}, runs)}
     assert set(rows) == set(CONFIGS)
@@ -30,7 +31,7 @@ def test_ratios_are_medians_of_within_repetition_ratios():
     assert rows["default"]["rep_aux_calls"] == [0, 0, 4]
     assert rows["default"]["client"] == "stream" and rows["default"]["prompts"] == "random"
     table = markdown(list(rows.values()), [])
-    assert "| stream | random | default | 81.0 | 0.81 | 0.90 | 100-300 | 0-4 |" in table
+    assert "| stream | random | default | 81.0 | 0.81 | 0.90 | 100-300 | 0-4 | 0.50-1.25 |" in table
     assert "vllm bench serve" not in table
 
 
