@@ -188,7 +188,16 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
         "--model", default=None, help="proxy: the upstream model to serve; engine: its served name"
     )
     parser.add_argument(
-        "--tokenizer", default=None, help="proxy: local tokenizer dir (default: vLLM's /tokenize)"
+        "--tokenizer",
+        default=None,
+        help="proxy: the model's tokenizer files (default: found from the served model's "
+        "path or the Hugging Face cache here)",
+    )
+    parser.add_argument(
+        "--generation-config",
+        default=None,
+        help="proxy: as the upstream vLLM's --generation-config: auto (default), vllm, or "
+        "the same folder on this host",
     )
     parser.add_argument(
         "--drafter",

@@ -14,7 +14,7 @@ import dataclasses
 import functools
 import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Literal
+from typing import Any, AsyncIterator, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
@@ -23,7 +23,7 @@ from proxy.adaptive import AdaptiveState, Controller
 from proxy.adaptive.controller import SHADOW_EVERY
 from proxy.backend.base import SessionOptions, Target, TargetError, TargetSession
 from proxy.drafter.base import AsyncDraftSession, Drafter, DraftError, DraftSession, draft
-from proxy.output import Delta, Detokenize, OutputProcessor
+from proxy.output import WINDOW_TOKENS, Delta, Detokenize, OutputProcessor
 from proxy.round import RoundShape, RoundStats, speculate
 from proxy.sampling import SamplingParams
 from proxy.tree import build_chain, build_tree
@@ -71,6 +71,14 @@ class GenerationRequest:
     # The client reads the output as it comes (a stream). If not, plain generation's
     # tokens are handed on in pieces (fewer detokenizations).
     stream: bool = True
+    # Text is decoded by a server, each decode an HTTP call (no tokenizer file on this
+    # host): one decode of the whole output per round, and plain generation's tokens in
+    # pieces even for a stream -- never a call per token.
+    remote_text: bool = False
+    # The sampling fields the client set, as it set them (vLLM's names): a remote target
+    # sends these and no others, so its server applies its own defaults to the rest.
+    # None: `sampling` is the whole rule (sent in full).
+    sampling_fields: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:
@@ -195,6 +203,7 @@ async def stream_generate(
         ignore_eos=request.ignore_eos,
         stop=request.stop,
         logprobs=request.logprobs,
+        window_tokens=None if request.remote_text else WINDOW_TOKENS,
     )
     options = SessionOptions(
         sampling=request.sampling,
@@ -202,6 +211,7 @@ async def stream_generate(
         want_logprobs=request.logprobs,
         strategy=request.strategy,
         stop_token_ids=request.stop_token_ids,
+        sampling_fields=request.sampling_fields,
     )
     controller: Controller | None = None
     if adaptive is not None and use_drafter and settings.policy == "adaptive":
@@ -226,6 +236,7 @@ async def stream_generate(
                 chunk = _plain_stream(
                     session, draft_session, committed, output, controller, adaptive, shape,
                     target.max_model_len, request.stream, opening=len(committed) == new_tokens,
+                    per_event=request.stream and not request.remote_text,
                 )  # fmt: skip
                 async for delta in chunk:
                     yield delta
@@ -282,6 +293,7 @@ async def _plain_stream(
     max_model_len: int,
     streaming: bool,
     opening: bool,
+    per_event: bool,
 ) -> AsyncIterator[Delta]:
     """Plain generation from the target until the output ends or the controller closes
     the stream; shadow rounds (trees the drafter proposes on the way, walked once the
@@ -297,7 +309,8 @@ async def _plain_stream(
 
     `opening`: the request's first call (the target has not seen the prompt): its time
     holds the prompt's prefill, which speculation's first round pays as well (see
-    `CostModel.observe_plain`)."""
+    `CostModel.observe_plain`). `per_event`: pass each event on as it comes (a
+    streaming client whose text is decoded locally); else in pieces."""
     one_answer = controller.plain_in_one_answer(streaming)
     num_tokens = controller.plain_length(
         min(output.remaining, max_model_len - len(committed)), one_answer
@@ -337,7 +350,7 @@ async def _plain_stream(
                 since_shadow += len(tokens)
                 pending.extend(tokens)
                 pending_logprobs.extend(logprobs or ())
-            if pending and (streaming or ended or leave or len(pending) >= SHADOW_EVERY):
+            if pending and (per_event or ended or leave or len(pending) >= SHADOW_EVERY):
                 stats = RoundStats(
                     acceptance_length=len(pending),
                     num_nodes=0,

@@ -13,7 +13,9 @@ window[len(prefix):]. It is taken only when the window does not end in U+FFFD (a
 unfinished UTF-8 sequence that a later token may complete), so r always sits where
 the text is final, and the emitted text equals the decode of all tokens. The window
 is re-anchored every few dozen tokens, so the work per round stays bounded and a
-whole output costs time linear in its length.
+whole output costs time linear in its length -- except where each decode is a call to
+a server (`window_tokens=None`): one call per round, the whole output each time, beats
+a second call to re-anchor.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ REPLACEMENT = "\ufffd"
 # Re-anchor the detokenization window once it spans this many tokens, keeping a few
 # tokens of left context (tokenizers that drop a leading space at the start of a
 # decode need one token before the new ones).
-_WINDOW_TOKENS = 48
+WINDOW_TOKENS = 48
 _CONTEXT_TOKENS = 4
 
 FinishReason = Literal["stop", "length"]
@@ -51,10 +53,12 @@ class Delta:
 
 
 class IncrementalDetokenizer:
-    """Text of a growing token list, decoding a bounded window per step."""
+    """Text of a growing token list, decoding a bounded window per step (`window_tokens`;
+    None: the whole list, never re-anchored)."""
 
-    def __init__(self, detokenize: Detokenize):
+    def __init__(self, detokenize: Detokenize, window_tokens: int | None = WINDOW_TOKENS):
         self.detokenize = detokenize
+        self.window_tokens = window_tokens
         self.tokens: list[int] = []
         self.text = ""  # final text of tokens[:read]
         self._prefix_offset = 0  # p: where the window starts
@@ -73,7 +77,8 @@ class IncrementalDetokenizer:
         self.text += new_text
         self._prefix_text += new_text
         self._read_offset = len(self.tokens)
-        if self._read_offset - self._prefix_offset > _WINDOW_TOKENS:
+        window = self.window_tokens
+        if window is not None and self._read_offset - self._prefix_offset > window:
             self._prefix_offset = self._read_offset - _CONTEXT_TOKENS
             self._prefix_text = await self.detokenize(
                 self.tokens[self._prefix_offset : self._read_offset]
@@ -92,6 +97,7 @@ class OutputProcessor:
         ignore_eos: bool = False,
         stop: tuple[str, ...] = (),
         logprobs: bool = False,
+        window_tokens: int | None = WINDOW_TOKENS,
     ):
         self.max_tokens = max_tokens
         self.stop_token_ids = frozenset(stop_token_ids)
@@ -102,7 +108,7 @@ class OutputProcessor:
         self.want_logprobs = logprobs
         self.num_tokens = 0  # tokens emitted so far (a stop token included)
         self.finish_reason: FinishReason | None = None
-        self._detok = IncrementalDetokenizer(detokenize)
+        self._detok = IncrementalDetokenizer(detokenize, window_tokens)
         self._emitted_text = ""
 
     @property

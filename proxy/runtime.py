@@ -2,18 +2,20 @@
 the CLI, the server and the benchmarks alike.
 
 Engine mode (no `target_url`): the local Transformers target, its tokenizer, the
-drafter (the shipped dflash by default). Proxy mode: a vLLM server over HTTP,
-tokenization through a local tokenizer (`--tokenizer`) or through vLLM's own
-/tokenize and /detokenize, and a drafter that needs no target hidden states (ngram by
-default, autoregressive, or `vllm:URL`, a draft model on a second vLLM server).
-torch and transformers are imported only on the paths
-that need them, so proxy mode with ngram runs on a plain `pip install`.
+drafter (the shipped dflash by default). Proxy mode: a vLLM server over HTTP, text
+through the model's tokenizer.json on this host (`proxy.model_files` finds it; chat
+prompts are still rendered by vLLM's /tokenize), or, with no tokenizer file here,
+through vLLM's /tokenize and /detokenize; and a drafter that needs no target hidden
+states (ngram by default, autoregressive, or `vllm:URL`, a draft model on a second vLLM
+server). torch and transformers are imported only on the paths that need them, so
+proxy mode with ngram runs on a plain `pip install`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import sys
 import time
 from dataclasses import dataclass, field
@@ -23,14 +25,16 @@ from typing import TYPE_CHECKING, Any
 import httpx
 
 from proxy.adaptive import AdaptiveState
-from proxy.backend.base import Target
+from proxy.backend.base import Target, TargetError
 from proxy.backend.vllm import RetryPolicy, VLLMHttp, VLLMTarget
 from proxy.backend.vllm_tokens import VLLMTokens
 from proxy.drafter import load_drafter, parse_drafter_spec
 from proxy.drafter.base import Drafter, TargetInfo
+from proxy.generation_defaults import GenerationDefaults, load_generation_defaults
+from proxy.model_files import ModelFiles, find_model_files
 from proxy.output import Detokenize
 from proxy.settings import RuntimeSettings
-from proxy.tokens import LocalTokens, ServerChatTemplate, Tokens
+from proxy.tokens import LocalTokens, TokenizerFile, Tokens
 
 if TYPE_CHECKING:
     import torch
@@ -41,6 +45,13 @@ DEFAULT_TARGET_DIR = REPO_ROOT / "models" / "pycoder" / "target"
 DEFAULT_DRAFTER = f"dflash:{REPO_ROOT / 'models' / 'pycoder' / 'dflash'}"
 PROXY_DEFAULT_DRAFTER = "ngram"
 ENGINE_EXTRA_HINT = "install the engine extra: pip install 'ddtree-proxy[engine]'"
+# The start-up check of a local tokenizer against the server's: this many ids spread
+# over the vocabulary (decoded as one sequence), and a text of code, non-ASCII letters,
+# whitespace runs and the added tokens (tokenized with special tokens added).
+NUM_PROBE_IDS = 2048
+PROBE_TEXT = 'def f(x):\n\treturn x  # \u00e9t\u00e9, \u4e2d\u6587, \u2603\n\n   end. "ok" n\'t 1,2,3'
+
+logger = logging.getLogger("ddtree_proxy.runtime")
 
 
 @dataclass
@@ -52,9 +63,15 @@ class Runtime:
     tokens: Tokens
     model_name: str
     vocab_size: int | None  # None when unknown (remote tokenizer, no local config)
-    sampling_defaults: dict[str, float | int] = field(default_factory=dict)
+    # What the server applies to fields a request leaves unset (engine mode: the
+    # target's temperature, top_p, top_k and max_new_tokens, applied by the proxy).
+    generation_defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
     # Where requests DDTree does not serve go unchanged; None: nowhere (engine mode).
     upstream: VLLMHttp | None = None
+    # Where output text comes from, for the start-up log.
+    text_source: str = "the target's tokenizer, in-process"
+    # Text is decoded by the server, one HTTP call per decode (no tokenizer file here).
+    remote_text: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
     # What the adaptive policy learns while serving (costs, drafter calibration).
     adaptive: AdaptiveState = field(default_factory=AdaptiveState)
@@ -162,7 +179,7 @@ def load_engine(
         tokens=LocalTokens(tokenizer),
         model_name=target.name,
         vocab_size=int(target.model.config.vocab_size),
-        sampling_defaults=sampling_defaults(target_dir),
+        generation_defaults=engine_defaults(target_dir),
     )
 
 
@@ -171,6 +188,8 @@ def _build_engine(settings: RuntimeSettings) -> Runtime:
         raise ValueError("--tokenizer is for proxy mode; engine mode uses the target's own")
     if settings.strategy is not None:
         raise ValueError("--strategy is for proxy mode (it says how vLLM verifies a tree)")
+    if settings.generation_config != "auto":
+        raise ValueError("--generation-config is for proxy mode (it mirrors vLLM's flag)")
     target_dir = Path(settings.target or DEFAULT_TARGET_DIR)
     drafter_spec = None if settings.tree.kind == "none" else settings.drafter or DEFAULT_DRAFTER
     if drafter_spec and parse_drafter_spec(drafter_spec)[0] == "vllm":
@@ -199,16 +218,12 @@ async def _build_proxy(
     drafter_spec = settings.drafter or PROXY_DEFAULT_DRAFTER
     if settings.tree.kind != "none":
         _check_proxy_drafter(drafter_spec)
-    tokenizer_dir = Path(settings.tokenizer) if settings.tokenizer else None
-    if tokenizer_dir is not None and not (tokenizer_dir / "tokenizer_config.json").is_file():
-        raise FileNotFoundError(
-            f"tokenizer directory {tokenizer_dir} not found (no tokenizer_config.json)"
-        )
+    find_model_files(None, settings.tokenizer)  # a --tokenizer without tokenizer.json fails first
     try:
         target = await VLLMTarget.connect(
             settings.target_url,
             settings.model,
-            model_dir=tokenizer_dir,
+            model_dir=settings.tokenizer,
             api_key=settings.upstream_api_key,
             connect_timeout=settings.connect_timeout,
             read_timeout=settings.read_timeout,
@@ -228,18 +243,12 @@ async def _build_proxy(
         raise
     drafter: Drafter | None = None
     try:
-        model_dir = tokenizer_dir or _local_model_root(target)
+        files = find_model_files(target.root, settings.tokenizer)
+        model_dir = files.model_dir or files.tokenizer_dir
         config = _read_config(model_dir)
-        remote = VLLMTokens.of(target, model_dir)
-        tokens: Tokens = remote
-        if tokenizer_dir is not None:
-            try:
-                from transformers import AutoTokenizer
-            except ImportError as exc:
-                raise ValueError(f"--tokenizer needs transformers: {ENGINE_EXTRA_HINT}") from exc
-            local = await asyncio.to_thread(AutoTokenizer.from_pretrained, str(tokenizer_dir))
-            tokens = ServerChatTemplate(local, remote)
+        remote = VLLMTokens.of(target, files.tokenizer_dir)
         vocab_size = int(config["vocab_size"]) if "vocab_size" in config else None
+        tokens, text_source = await _text_source(files, remote, vocab_size)
         if settings.tree.kind != "none":
             info = TargetInfo(
                 # Without a local config the bounds are unknown: 2**31 - 1 lets any
@@ -265,8 +274,10 @@ async def _build_proxy(
             tokens=tokens,
             model_name=target.name,
             vocab_size=vocab_size,
-            sampling_defaults=sampling_defaults(model_dir),
+            generation_defaults=load_generation_defaults(settings.generation_config, model_dir),
             upstream=target.http,
+            text_source=text_source,
+            remote_text=tokens is remote,
         )
     except BaseException:
         await target.aclose()
@@ -276,10 +287,63 @@ async def _build_proxy(
         raise
 
 
-def _local_model_root(target: VLLMTarget) -> Path | None:
-    """The served model's directory, when vLLM serves a path that exists here too."""
-    path = Path(target.name)
-    return path if (path / "config.json").is_file() else None
+async def _text_source(
+    files: ModelFiles, server: VLLMTokens, vocab_size: int | None
+) -> tuple[Tokens, str]:
+    """The model's tokenizer.json in this process when there is one here, checked
+    against the server's tokenizer (`check_tokenizer`); else the server's /detokenize.
+    (Tokens, a line for the start-up log.)"""
+    if files.tokenizer_dir is None:
+        logger.warning(
+            "no tokenizer.json of the served model on this host: output text comes from "
+            "vLLM's /detokenize, one call per round (and per new logprobs token); pass "
+            "--tokenizer DIR (the model's tokenizer files) to decode here"
+        )
+        return server, "vLLM's /detokenize (no tokenizer.json on this host)"
+    local = await asyncio.to_thread(TokenizerFile.load, files.tokenizer_dir, server)
+    where = files.found_by["tokenizer_dir"]
+    try:
+        same_text, same_tokens = await check_tokenizer(local, server, vocab_size)
+    except TargetError as exc:
+        if exc.kind != "http" or exc.retriable:
+            raise  # the upstream is failing: start-up fails as on any other call
+        # A server that refuses the probe itself (4xx): nothing to compare with.
+        logger.warning("could not check the tokenizer.json in %s against the server: %s", where, exc)
+        same_text = same_tokens = True
+    if not same_text:
+        logger.warning(
+            "the tokenizer.json in %s does not decode as the server does: output text "
+            "comes from vLLM's /detokenize, one call per round",
+            where,
+        )
+        return server, f"vLLM's /detokenize ({where} decodes differently)"
+    if not same_tokens:
+        logger.warning(
+            "the tokenizer.json in %s does not tokenize as the server does: prompts go "
+            "through vLLM's /tokenize (one call per request)",
+            where,
+        )
+        local.server_encodes = True
+        return local, f"tokenizer.json in {where}; prompts through vLLM's /tokenize"
+    return local, f"tokenizer.json in {where}; chat prompts through vLLM's /tokenize"
+
+
+async def check_tokenizer(
+    local: TokenizerFile, server: Tokens, vocab_size: int | None = None
+) -> tuple[bool, bool]:
+    """(same text, same tokens): does the server's tokenizer decode and tokenize as
+    `local` does? One /detokenize of ids spread over the vocabulary (below `vocab_size`,
+    the model's, when known) and one /tokenize of PROBE_TEXT with the added tokens in it
+    (Transformers rebuilds the pipeline of some model-specific tokenizer classes from
+    their vocabulary, so tokenizer.json alone is not proof)."""
+    limit = min(local.vocab_size, vocab_size or local.vocab_size)
+    ids = list(range(0, limit, max(1, limit // NUM_PROBE_IDS)))
+    added = list(local.tokenizer.get_added_tokens_decoder().items())
+    ids += [token_id for token_id, _ in added if token_id < limit]
+    text = PROBE_TEXT + "".join(token.content for _, token in added)
+    same_text = await server.decode(ids, False) == await local.decode(ids, False)
+    same_tokens = await server.encode(text, True) == await local.encode(text, True)
+    return same_text, same_tokens
 
 
 def _read_config(model_dir: Path | None) -> dict[str, Any]:
@@ -288,13 +352,13 @@ def _read_config(model_dir: Path | None) -> dict[str, Any]:
     return json.loads((model_dir / "config.json").read_text())
 
 
-def sampling_defaults(model_dir: str | Path | None) -> dict[str, float | int]:
-    """Sampling defaults a vLLM server applies for this model when a request leaves them
-    out: the temperature / top_p / top_k of its generation_config.json, if any."""
-    if model_dir is None:
-        return {}
-    path = Path(model_dir) / "generation_config.json"
-    if not path.is_file():
-        return {}
-    config = json.loads(path.read_text())
-    return {name: config[name] for name in ("temperature", "top_p", "top_k") if name in config}
+def engine_defaults(target_dir: Path) -> GenerationDefaults:
+    """Engine mode's defaults: the target's generation_config.json, as vLLM would read it,
+    less what the in-process sampler does not implement (penalties, min_p: logged)."""
+    defaults = load_generation_defaults("auto", target_dir)
+    applied = ("temperature", "top_p", "top_k", "max_tokens")
+    ignored = sorted(set(defaults.values) - set(applied))
+    if ignored:
+        logger.warning("engine mode does not apply the target's default %s", ", ".join(ignored))
+    values = {name: value for name, value in defaults.values.items() if name in applied}
+    return GenerationDefaults(values, source=defaults.source)

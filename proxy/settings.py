@@ -25,7 +25,15 @@ class RuntimeSettings(BaseModel):
         None, description="proxy: the upstream model to serve (default: its first); engine: name"
     )
     tokenizer: str | None = Field(
-        None, description="proxy: local tokenizer directory; None uses vLLM's /tokenize"
+        None,
+        description="proxy: the model's tokenizer files here; None: found from the served "
+        "model (proxy.model_files), else vLLM's /detokenize",
+    )
+    generation_config: str = Field(
+        "auto",
+        description="proxy: the upstream vLLM's --generation-config (auto: the model's "
+        "generation_config.json; vllm: none; or the same folder, here), for the defaults "
+        "the proxy must know",
     )
     drafter: str | None = Field(
         None, description="NAME[:PATH]; default ngram (proxy) or the shipped dflash (engine)"
@@ -65,6 +73,11 @@ class RuntimeSettings(BaseModel):
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"must start with http:// or https://, got {url!r}")
         return url.rstrip("/")
+
+    @field_validator("generation_config")
+    @classmethod
+    def _auto_when_empty(cls, value: str) -> str:
+        return value or "auto"
 
     @field_validator("upstream_api_key", "model", "tokenizer", "drafter", "target")
     @classmethod

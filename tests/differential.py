@@ -196,16 +196,22 @@ def _invalid_mutations(vocab_size: int, max_model_len: int) -> dict[str, tuple[s
 
 
 def generate_cases(
-    seed: int, num_cases: int, model: str, vocab_size: int, max_model_len: int
+    seed: int,
+    num_cases: int,
+    model: str,
+    vocab_size: int,
+    max_model_len: int,
+    invalid_share: float = 0.4,
 ) -> list[Case]:
-    """`num_cases` requests; about 40% carry one invalid field or value."""
+    """`num_cases` requests; about `invalid_share` of them carry one invalid field or
+    value (the same seed and share give the same cases)."""
     rng = random.Random(seed)
     mutations = _invalid_mutations(vocab_size, max_model_len)
     cases = []
     for _ in range(num_cases):
         case, labels = _valid_case(rng, model, vocab_size)
         assert isinstance(case.body, dict)
-        if rng.random() < 0.4:
+        if rng.random() < invalid_share:
             names = [n for n, (ep, _) in mutations.items() if ep in ("both", case.endpoint)]
             name = rng.choice(names)
             mutations[name][1](case.body, rng)
@@ -414,6 +420,15 @@ async def run_cases(
         return await asyncio.gather(*(one(case) for case in cases))
 
 
+def compared_exactly(results: list[Result]) -> list[Result]:
+    """The results whose output was compared token for token (greedy, answered)."""
+    return [
+        r for r in results
+        if r.want.status == 200 and r.want.error is None and r.case.greedy
+        and not r.case.text_dependent
+    ]  # fmt: skip
+
+
 def report(results: list[Result], max_shown: int = 20) -> str:
     """Counts per label, then the first differing cases in full."""
     per_label: dict[str, list[int]] = {}
@@ -424,7 +439,7 @@ def report(results: list[Result], max_shown: int = 20) -> str:
             counts[1] += bool(result.diffs)
     ok = [r for r in results if r.want.status == 200 and r.want.error is None]
     refused = [r for r in results if not (r.want.status == 200 and r.want.error is None)]
-    exact = [r for r in ok if r.case.greedy and not r.case.text_dependent]
+    exact = compared_exactly(results)
     lines = [
         f"{len(results)} cases, {sum(bool(r.diffs) for r in results)} differ",
         f"  vLLM answered {len(ok)} with output ({len(exact)} greedy, compared token for "

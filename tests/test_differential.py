@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 import subprocess
 import time
 import urllib.error
@@ -326,3 +327,157 @@ def test_models_listing_is_vllms(vllm_server, proxy_url):
 
     assert listing(proxy_url) == listing(vllm_server.url)
     assert [m["id"] for m in listing(proxy_url)] == [vllm_server.model]
+
+
+# ----- text from vLLM, where the proxy has no matching tokenizer --------------------------
+
+
+def test_a_tokenizer_that_decodes_otherwise_falls_back_to_vllms_text(vllm_server, tmp_path):
+    """`--tokenizer` naming a copy of the model's tokenizer.json without its decoder
+    (the case of a pipeline Transformers rebuilds differently): the start-up check (one
+    /detokenize, one /tokenize) notices, and text comes from vLLM's /detokenize --
+    answers still vLLM's, one decode call per round (plain generation in pieces), never
+    one per streamed token."""
+    other = tmp_path / "other-decoder"
+    other.mkdir()
+    shutil.copy(vllm_server.model_dir / "tokenizer_config.json", other)
+    tokenizer = json.loads((vllm_server.model_dir / "tokenizer.json").read_text())
+    (other / "tokenizer.json").write_text(json.dumps(tokenizer | {"decoder": None}))
+    settings = ServerSettings(target_url=vllm_server.url, tokenizer=str(other), log_level="warning")
+    vocab_size = json.loads((vllm_server.model_dir / "config.json").read_text())["vocab_size"]
+    cases = generate_cases(CI_SEED + 1, 120, vllm_server.model, vocab_size, 2048)
+    with BackgroundServer(create_app(settings)) as proxy:
+        results = asyncio.run(run_cases(vllm_server.url, proxy.url, cases))
+        assert [r for r in results if r.diffs] == [], report(results)
+        for prompt in ("def fib(n):\n", "import os\n", "x"):
+            before = metric(proxy.url, 'ddtree_upstream_aux_calls_total{path="/detokenize"}')
+            body = {"model": vllm_server.model, "prompt": prompt, "max_tokens": 40,
+                    "temperature": 0, "ignore_eos": True, "stream": True,
+                    "stream_options": {"include_usage": True}}  # fmt: skip
+            events = httpx.post(proxy.url + "/v1/completions", json=body, timeout=300).text
+            usage = [json.loads(line[6:]) for line in events.splitlines()
+                     if line.startswith("data: {") and '"usage"' in line][-1]["usage"]  # fmt: skip
+            calls = metric(proxy.url, 'ddtree_upstream_aux_calls_total{path="/detokenize"}') - before
+            stats = usage["ddtree"]
+            pieces = stats["plain_tokens"] // 8 + 2 * stats["plain_calls"]
+            assert 0 < calls <= stats["rounds"] + pieces + 1, (calls, stats)
+
+
+# ----- every other route vLLM serves ----------------------------------------------------
+
+# The proxy's own answers on these (its health with the upstream's, its Prometheus
+# metrics, DDTree generation) and its own API schema pages.
+PROXY_OWN = {("GET", "/health"), ("GET", "/metrics"), ("POST", "/v1/completions"),
+             ("POST", "/v1/chat/completions")}  # fmt: skip
+# How each route of vLLM 0.32's table is called: (method, path and query, JSON body or
+# None). Routes that change the server's state (the test server runs in dev mode) get a
+# request vLLM refuses before acting, or a method it does not serve there (405): the
+# answer still comes from vLLM, through the proxy's relay.
+ROUTE_CALLS = {
+    ("GET", "/load"): ("GET", "/load", None),
+    ("GET", "/version"): ("GET", "/version", None),
+    ("GET", "/kv_event_sources"): ("GET", "/kv_event_sources", None),
+    ("POST", "/tokenize"): ("POST", "/tokenize", {"prompt": "def f(x): ☃"}),
+    ("POST", "/detokenize"): ("POST", "/detokenize", {"tokens": [70, 71, 72, 2]}),
+    ("GET", "/v1/models"): ("GET", "/v1/models", None),
+    ("POST", "/v1/systemone"): ("POST", "/v1/systemone", {}),
+    ("GET", "/ping"): ("GET", "/ping", None),
+    ("POST", "/ping"): ("POST", "/ping", None),
+    ("POST", "/invocations"): ("POST", "/invocations", {}),
+    ("POST", "/reset_prefix_cache"): ("POST", "/reset_prefix_cache?reset_running_requests=no", None),
+    ("POST", "/reset_mm_cache"): ("GET", "/reset_mm_cache", None),
+    ("POST", "/reset_encoder_cache"): ("GET", "/reset_encoder_cache", None),
+    ("POST", "/collective_rpc"): ("POST", "/collective_rpc", [1]),
+    ("GET", "/server_info"): ("GET", "/server_info?config_format=json", None),
+    ("POST", "/sleep"): ("POST", "/sleep?level=9", None),
+    ("POST", "/release_kv_cache_memory"): ("GET", "/release_kv_cache_memory", None),
+    ("POST", "/wake_up"): ("GET", "/wake_up", None),
+    ("GET", "/is_sleeping"): ("GET", "/is_sleeping", None),
+    ("POST", "/pause"): ("POST", "/pause?mode=bogus", None),
+    ("POST", "/resume"): ("GET", "/resume", None),
+    ("POST", "/abort_requests"): ("POST", "/abort_requests", [1]),
+    ("GET", "/is_paused"): ("GET", "/is_paused", None),
+    ("POST", "/init_weight_transfer_engine"): ("POST", "/init_weight_transfer_engine", {}),
+    ("POST", "/shutdown_weight_transfer_engine"): ("GET", "/shutdown_weight_transfer_engine", None),
+    ("POST", "/start_weight_update"): ("GET", "/start_weight_update", None),
+    ("POST", "/start_draft_weight_update"): ("GET", "/start_draft_weight_update", None),
+    ("POST", "/update_weights"): ("POST", "/update_weights", {}),
+    ("POST", "/finish_weight_update"): ("GET", "/finish_weight_update", None),
+    ("POST", "/update_weight_version"): ("POST", "/update_weight_version", {}),
+    ("GET", "/weight_info"): ("GET", "/weight_info", None),
+    ("POST", "/weight_checker"): ("POST", "/weight_checker", {}),
+    ("GET", "/get_world_size"): ("GET", "/get_world_size?include_dp=false", None),
+    ("POST", "/v1/chat/completions/batch"): ("POST", "/v1/chat/completions/batch", {}),
+    ("POST", "/v1/responses"): (
+        "POST", "/v1/responses", {"input": "def f(x):", "max_output_tokens": 4, "temperature": 0}
+    ),
+    ("GET", "/v1/responses/{response_id}"): ("GET", "/v1/responses/resp_none?stream=false", None),
+    ("POST", "/v1/responses/{response_id}/cancel"): ("POST", "/v1/responses/resp_none/cancel", None),
+    ("POST", "/v1/messages"): ("POST", "/v1/messages", {}),
+    ("POST", "/v1/messages/count_tokens"): ("POST", "/v1/messages/count_tokens", {}),
+    ("POST", "/generative_scoring"): ("POST", "/generative_scoring", {}),
+    ("POST", "/scale_elastic_ep"): ("POST", "/scale_elastic_ep", {}),
+    ("POST", "/is_scaling_elastic_ep"): ("POST", "/is_scaling_elastic_ep", None),
+}  # fmt: skip
+# Differ between any two answers of the same request: ids and clocks.
+VOLATILE = {"id", "created", "created_at", "request_id", "completed_at"}
+
+
+def _stable(value):
+    if isinstance(value, dict):
+        return {k: _stable(v) for k, v in value.items() if k not in VOLATILE}
+    if isinstance(value, list):
+        return [_stable(item) for item in value]
+    return value
+
+
+def _call(url: str, call: tuple, model: str) -> httpx.Response:
+    method, path, body = call
+    if isinstance(body, dict) and path.startswith("/v1/responses"):
+        body = {"model": model, **body}
+    return httpx.request(method, url + path, json=body, timeout=120)
+
+
+def test_every_vllm_route_answers_through_the_proxy_as_directly(vllm_server, proxy_url):
+    """vLLM's own route table (its /openapi.json): each route answers through the proxy
+    with vLLM's status, content type and body (ids and clocks aside); the proxy's own
+    routes are the exceptions, and a route the table gains must be added here."""
+    table = httpx.get(vllm_server.url + "/openapi.json", timeout=30).json()["paths"]
+    routes = {(method.upper(), path) for path, ops in table.items() for method in ops}
+    assert routes - PROXY_OWN == ROUTE_CALLS.keys(), routes ^ (ROUTE_CALLS.keys() | PROXY_OWN)
+    statuses = set()
+    for route, call in sorted(ROUTE_CALLS.items()):
+        want = _call(vllm_server.url, call, vllm_server.model)
+        got = _call(proxy_url, call, vllm_server.model)
+        assert (got.status_code, got.headers.get("content-type")) == (
+            want.status_code, want.headers.get("content-type")
+        ), (route, want.text[:300], got.text[:300])  # fmt: skip
+        if "json" in (want.headers.get("content-type") or ""):
+            assert _stable(got.json()) == _stable(want.json()), route
+        else:
+            assert got.content == want.content, route
+        statuses.add(want.status_code)
+    assert {200, 400, 404, 405} <= statuses, statuses
+
+
+def test_a_relayed_stream_streams(vllm_server, proxy_url):
+    """/v1/responses with stream: vLLM's kinds of event in vLLM's order and the same
+    text, through the relay (how many text deltas vLLM sends depends on timing: its
+    output collector merges the steps a slow reader has not taken yet)."""
+    body = {"model": vllm_server.model, "input": "def f(x):", "max_output_tokens": 6,
+            "temperature": 0, "stream": True}  # fmt: skip
+
+    def events(url: str) -> tuple[list[str], str]:
+        kinds, text = [], ""
+        with httpx.stream("POST", url + "/v1/responses", json=body, timeout=120) as response:
+            assert response.status_code == 200
+            assert response.headers["content-type"].startswith("text/event-stream")
+            for line in response.iter_lines():
+                if line.startswith("event: ") and (not kinds or kinds[-1] != line):
+                    kinds.append(line)
+                elif line.startswith("data: ") and '"response.output_text.delta"' in line:
+                    text += json.loads(line[len("data: ") :])["delta"]
+        return kinds, text
+
+    want, got = events(vllm_server.url), events(proxy_url)
+    assert got == want and len(want[0]) > 3 and want[1]

@@ -1,9 +1,12 @@
-"""A torch-free install serves proxy mode.
+"""A torch-free install serves proxy mode, with default flags, as a drop-in.
 
 `pip install .` with no extras, into a fresh venv, must bring neither torch nor
-transformers (proxy mode needs neither: the target is a vLLM over HTTP, tokenising is
-vLLM's /tokenize), and that venv's `ddtree-proxy serve --target-url ... --drafter ngram`
-must give the session's real vLLM's own greedy output, token for token and text for text.
+transformers (proxy mode needs neither: the target is a vLLM over HTTP, text comes from
+the model's tokenizer.json through the light `tokenizers` library). That venv's
+`ddtree-proxy serve --target-url URL` -- no other flag -- in front of the session's real
+vLLM must give vLLM's own greedy output, pass the differential suite
+(tests/differential.py), and make at most 2 auxiliary calls to vLLM (/tokenize,
+/detokenize) per request: none per token.
 """
 
 from __future__ import annotations
@@ -18,12 +21,17 @@ from pathlib import Path
 import httpx
 import pytest
 from conftest import serving
+from differential import Case, Result, compare, generate_cases, observe, report
+from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks.upstream import REPO_ROOT, free_port
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
 HEAVY = ("torch", "transformers")
+DIFFERENTIAL_SEED = 20261201  # tests/test_differential.py's CI seed
+NUM_CASES = 300
+MAX_AUX_CALLS = 2  # per request: a chat template's /tokenize, nothing per token
 # What a checkout holds that is not source: venvs, caches and build outputs.
 NOT_SOURCE = shutil.ignore_patterns(
     ".git", ".venv*", "__pycache__", "*.egg-info", "build", ".*_cache", ".hypothesis"
@@ -77,10 +85,36 @@ def test_heavy_packages_are_not_installed(light_venv):
         assert probe.returncode != 0 and "ModuleNotFoundError" in probe.stderr, module
 
 
-def test_light_install_serves_proxy_mode_losslessly(light_venv, vllm_server, tmp_path):
+@pytest.fixture(scope="module")
+def light_proxy(light_venv, vllm_server, tmp_path_factory):
+    """The light venv's `ddtree-proxy serve --target-url URL`, default flags otherwise:
+    (its URL, its log)."""
     port = free_port()
+    log = tmp_path_factory.mktemp("light-proxy") / "proxy.log"
     command = [str(light_venv / "bin" / "ddtree-proxy"), "serve", "--target-url",
-               vllm_server.url, "--drafter", "ngram", "--port", str(port)]  # fmt: skip
+               vllm_server.url, "--port", str(port)]  # fmt: skip
+    with serving(command, port, log) as url:
+        yield url, log
+
+
+def aux_calls(url: str) -> dict[str, float]:
+    """The proxy's ddtree_upstream_aux_calls_total by path."""
+    text = httpx.get(url + "/metrics", timeout=30).text
+    return {
+        sample.labels["path"]: sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "ddtree_upstream_aux_calls_total"
+    }
+
+
+def test_start_up_names_the_local_tokenizer(light_proxy, vllm_server):
+    _, log = light_proxy
+    assert f"text: tokenizer.json in {vllm_server.model_dir} (served path)" in log.read_text()
+
+
+def test_light_install_serves_proxy_mode_losslessly(light_proxy, vllm_server):
+    url, _ = light_proxy
     tokenized = httpx.post(
         f"{vllm_server.url}/tokenize",
         json={"model": vllm_server.model, "prompt": "def add(a, b):\n    return a + b\n"},
@@ -88,14 +122,56 @@ def test_light_install_serves_proxy_mode_losslessly(light_venv, vllm_server, tmp
     )
     tokenized.raise_for_status()
     token_prompt = tokenized.json()["tokens"]
-    with serving(command, port, tmp_path / "proxy.log") as url:
-        for prompt in (token_prompt, "import os\nimport sys\n\ndef main("):
-            body = {"model": vllm_server.model, "prompt": prompt, "max_tokens": 24,
-                    "temperature": 0, "return_token_ids": True}  # fmt: skip
-            direct = httpx.post(f"{vllm_server.url}/v1/completions", json=body, timeout=120)
-            proxied = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
-            assert direct.status_code == proxied.status_code == 200, proxied.text
-            (want,), (got,) = direct.json()["choices"], proxied.json()["choices"]
-            assert got["token_ids"] == want["token_ids"], prompt
-            assert got["text"] == want["text"], prompt
-            assert len(want["token_ids"]) > 0
+    for prompt in (token_prompt, "import os\nimport sys\n\ndef main("):
+        body = {"model": vllm_server.model, "prompt": prompt, "max_tokens": 24,
+                "temperature": 0, "return_token_ids": True}  # fmt: skip
+        direct = httpx.post(f"{vllm_server.url}/v1/completions", json=body, timeout=120)
+        proxied = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+        assert direct.status_code == proxied.status_code == 200, proxied.text
+        (want,), (got,) = direct.json()["choices"], proxied.json()["choices"]
+        assert got["token_ids"] == want["token_ids"], prompt
+        assert got["text"] == want["text"], prompt
+        assert len(want["token_ids"]) > 0
+
+
+def _send(url: str, case: Case):
+    kwargs = (
+        {"content": case.body, "headers": {"content-type": "application/json"}}
+        if isinstance(case.body, bytes)
+        else {"json": case.body}
+    )
+    response = httpx.post(url + case.path, timeout=300, **kwargs)
+    return observe(case, response.status_code, response.headers.get("content-type", ""),
+                   response.content)  # fmt: skip
+
+
+def test_differential_suite_with_at_most_two_aux_calls_per_request(light_proxy, vllm_server):
+    """The differential suite's CI cases, one at a time so that the proxy's /metrics tells
+    each request's auxiliary calls apart: every answer as vLLM's (less the README's
+    intended differences), at most MAX_AUX_CALLS per request, none to /detokenize."""
+    url, _ = light_proxy
+    vocab_size = json.loads((vllm_server.model_dir / "config.json").read_text())["vocab_size"]
+    max_model_len = httpx.get(vllm_server.url + "/v1/models").json()["data"][0]["max_model_len"]
+    cases = generate_cases(DIFFERENTIAL_SEED, NUM_CASES, vllm_server.model, vocab_size,
+                           max_model_len)  # fmt: skip
+    results, calls = [], []
+    for case in cases:
+        want = _send(vllm_server.url, case)
+        before = aux_calls(url)
+        got = _send(url, case)
+        after = aux_calls(url)
+        calls.append({path: after[path] - before.get(path, 0.0) for path in after})
+        results.append(Result(case, want, got, compare(case, want, got)))
+    text = report(results)
+    most = max(sum(per.values()) for per in calls)
+    print(f"\n[light install, default flags] most auxiliary calls per request: {most}\n{text}")
+    assert [r for r in results if r.diffs] == [], text
+    over = [(c.labels, n) for c, n in zip(cases, calls, strict=True) if sum(n.values()) > 2]
+    assert most <= MAX_AUX_CALLS, over
+    # Completion prompts are tokenized here; a chat prompt's template is vLLM's, once.
+    by_endpoint: dict[str, set[tuple[float, float]]] = {"completions": set(), "chat": set()}
+    for case, per in zip(cases, calls, strict=True):
+        by_endpoint[case.endpoint].add((per["/tokenize"], per["/detokenize"]))
+    assert by_endpoint == {"completions": {(0, 0)}, "chat": {(0, 0), (1, 0)}}, by_endpoint
+    labels = {label for case in cases for label in case.labels}
+    assert labels >= {"stream", "logprobs", "stop", "sampled", "token_id_prompt"}, labels

@@ -23,13 +23,15 @@ def _decode(tokens: list[int]) -> str:
 
 
 class CountingDecode:
-    """The tokenizer's decode, counting the tokens it was asked to decode."""
+    """The tokenizer's decode, counting the calls and the tokens it was asked to decode."""
 
     def __init__(self):
         self.num_tokens = 0
+        self.num_calls = 0
 
     async def __call__(self, token_ids: list[int]) -> str:
         self.num_tokens += len(token_ids)
+        self.num_calls += 1
         return _decode(token_ids)
 
 
@@ -136,3 +138,20 @@ def test_incremental_detokenization_is_linear_in_output_length():
     # A full decode per round would touch ~len(tokens) ** 2 / 9 tokens (~375 per token
     # here); the window touches a few dozen per round.
     assert decode.num_tokens < 20 * len(tokens), decode.num_tokens / len(tokens)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_decode_by_a_server_is_one_call_per_round(seed):
+    """`window_tokens=None` (text decoded by vLLM's /detokenize, an HTTP call each): one
+    decode per round, never a second one to re-anchor the window; same text."""
+    rng = random.Random(200 + seed)
+    text = "# naïve café — 日本語 🎉\ndef f(x):\n    return x + 1\n" * 8
+    tokens = TOKENIZER(text, add_special_tokens=False)["input_ids"] + _random_tokens(rng, 100)
+    decode = CountingDecode()
+    processor = OutputProcessor(decode, max_tokens=len(tokens), window_tokens=None)
+    deltas = _feed(processor, tokens, rng)
+    assert "".join(d.text for d in deltas) == _decode(tokens).rstrip(REPLACEMENT)
+    assert decode.num_calls == len(deltas)
+    windowed = CountingDecode()
+    _feed(OutputProcessor(windowed, max_tokens=len(tokens)), tokens, random.Random(200 + seed))
+    assert windowed.num_calls > len(deltas)  # the default re-anchors: extra calls

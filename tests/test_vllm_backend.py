@@ -421,12 +421,15 @@ def _good_answer(num_prompts: int) -> dict:
     return {"choices": [{"index": i, "token_ids": [9], "text": ""} for i in range(num_prompts)]}
 
 
-async def _verify_with(route_kwargs: dict, params: SamplingParams = GREEDY) -> np.ndarray:
+async def _verify_with(
+    route_kwargs: dict, params: SamplingParams = GREEDY, sampling_fields: dict | None = None
+) -> np.ndarray:
     with respx.mock(base_url=URL, assert_all_called=True) as mock:
         mock.post("/v1/completions").mock(**route_kwargs)
         target = VLLMTarget(VLLMHttp(URL, read_timeout=1.0), "m", 2048, (0,))
         try:
-            session = await target.start(COMMITTED, SessionOptions(params))
+            options = SessionOptions(params, sampling_fields=sampling_fields)
+            session = await target.start(COMMITTED, options)
             return (await session.verify(COMMITTED, TREE)).tokens
         finally:
             await target.aclose()
@@ -436,6 +439,26 @@ def test_respx_good_answer_maps_choices_by_index():
     answer = {"choices": [{"index": i, "token_ids": [20 + i]} for i in (2, 0, 1)]}
     tokens = run(_verify_with({"return_value": httpx.Response(200, json=answer)}))
     assert tokens.tolist() == [20, 21, 22]
+
+
+def test_respx_only_the_clients_sampling_fields_are_sent():
+    """With the client's fields given (the server's requests), a call carries those and
+    no other sampling field, so vLLM applies its generation_config defaults to the rest;
+    without, SamplingParams is the whole rule, neutral penalties included."""
+    bodies: list[dict] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        bodies.append(json.loads(request.content))
+        return httpx.Response(200, json=_good_answer(len(bodies[-1]["prompt"])))
+
+    sampling = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+                "presence_penalty", "frequency_penalty")  # fmt: skip
+    run(_verify_with({"side_effect": answer}, GREEDY, {"temperature": 0, "min_p": 0}))
+    assert {key: bodies[-1][key] for key in sampling if key in bodies[-1]} == {
+        "temperature": 0, "min_p": 0
+    }  # fmt: skip
+    run(_verify_with({"side_effect": answer}, GREEDY))
+    assert set(sampling) <= bodies[-1].keys() and bodies[-1]["repetition_penalty"] == 1.0
 
 
 @pytest.mark.parametrize(

@@ -67,6 +67,10 @@ class SessionOptions:
     # token), but a remote target sends them along so that its server judges them as it
     # would judge the client's own request (vLLM refuses out-of-vocabulary ids).
     stop_token_ids: tuple[int, ...] = ()
+    # A remote target's sampling fields: exactly the ones the client set (vLLM's names),
+    # so that its server applies its own defaults to the rest, as for a direct request;
+    # None: `sampling` is the whole rule, sent in full with neutral penalties.
+    sampling_fields: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable, Literal, Sequence, get_args
@@ -37,6 +38,7 @@ import httpx
 import numpy as np
 
 from proxy.backend.base import SessionOptions, TargetCounters, TargetError, Verification
+from proxy.model_files import find_model_files
 from proxy.sampling import derive_seed
 from proxy.tree import DraftTree, WalkResult
 
@@ -78,6 +80,8 @@ class VLLMHttp:
     `request_json` retries idempotent calls (`retry=True`) on connection failures,
     timeouts, 429/5xx answers and malformed JSON, with bounded exponential backoff;
     `on_retry(kind)` is called before each retry (the server counts them).
+    `num_calls` counts its calls by path, retries not included (the server exports
+    those to /tokenize and /detokenize, so that a call per token shows).
     """
 
     def __init__(
@@ -117,6 +121,7 @@ class VLLMHttp:
         self.stream_client = client(None)
         self.retry = retry or RetryPolicy()
         self.on_retry: Callable[[str], None] | None = None
+        self.num_calls: Counter[str] = Counter()
         self._rng = random.Random()
 
     async def request_json(
@@ -125,6 +130,7 @@ class VLLMHttp:
         """Send one request; return the decoded JSON body or raise TargetError (an
         with its kind) after the last attempt."""
         attempts = self.retry.max_retries + 1 if retry else 1
+        self.num_calls[path] += 1
         for attempt in range(attempts):
             try:
                 return await self._request_once(method, path, body)
@@ -315,6 +321,7 @@ class VLLMTarget:
         model: str,
         max_model_len: int,
         eos_token_ids: Sequence[int],
+        root: str | None = None,
     ) -> None:
         if not eos_token_ids:
             raise ValueError("eos_token_ids must not be empty")
@@ -322,6 +329,9 @@ class VLLMTarget:
         self.name = model
         self.max_model_len = int(max_model_len)
         self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
+        # What vLLM loaded (its /v1/models `root`: a path or hub id), whatever name it
+        # serves the model under.
+        self.root = root or model
 
     @classmethod
     async def connect(
@@ -341,9 +351,9 @@ class VLLMTarget:
 
         model: the served model name; None takes the server's only (first) model.
         eos_token_ids: given explicitly, or read from `model_dir`, or from the served
-        model's ``root`` when that is a directory on this machine (vLLM serving a local
-        path); otherwise ValueError -- without them the output could not stop where
-        vLLM's own would.
+        model's files on this machine (`proxy.model_files`: its ``root`` when that is a
+        directory here, or its snapshot in the Hugging Face cache); otherwise ValueError
+        -- without them the output could not stop where vLLM's own would.
         """
         http = VLLMHttp(
             url,
@@ -360,15 +370,17 @@ class VLLMTarget:
             if model not in entries:
                 raise ValueError(f"model {model!r} not served at {url}; served: {list(entries)}")
             entry = entries[model]
+            root = entry.get("root") or model
             if eos_token_ids is None:
-                local = model_dir or entry.get("root") or model
-                if not Path(local).is_dir():
+                files = find_model_files(root)
+                local = Path(model_dir) if model_dir else files.model_dir or files.tokenizer_dir
+                if local is None or not local.is_dir():
                     raise ValueError(
                         f"cannot find eos_token_ids for {model!r}: pass eos_token_ids= or "
                         f"model_dir= (the model's local config/tokenizer dir)"
                     )
                 eos_token_ids = eos_token_ids_from_model_dir(local)
-            return cls(http, model, max_model_len_of(entry, url), eos_token_ids)
+            return cls(http, model, max_model_len_of(entry, url), eos_token_ids, root)
         except BaseException:
             await http.aclose()
             raise
@@ -409,6 +421,7 @@ class VLLMSession:
         self.want_logprobs = options.want_logprobs
         self.strategy: Strategy = options.strategy or DEFAULT_STRATEGY
         self.stop_token_ids = [int(t) for t in options.stop_token_ids]
+        self.sampling_fields = options.sampling_fields
         self.counters = TargetCounters()
         self.prompt_features = None
 
@@ -484,24 +497,30 @@ class VLLMSession:
         return Verification(tokens=tokens, logprobs=logprobs if self.want_logprobs else None)
 
     def _body(self, prompt: Any, max_tokens: int) -> dict[str, Any]:
-        params = self.params
         body: dict[str, Any] = {
             "model": self.target.name,
             "prompt": prompt,
             "max_tokens": max_tokens,
             "return_token_ids": True,
-            "temperature": params.temperature,
-            "top_p": params.top_p,
-            "top_k": params.top_k if params.top_k > 0 else -1,
-            # Neutral values override any generation_config defaults of the server:
-            # SamplingParams is the whole decoding rule we reproduce.
-            "min_p": 0.0,
-            "repetition_penalty": 1.0,
-            "presence_penalty": 0.0,
-            "frequency_penalty": 0.0,
             "ignore_eos": True,
             "skip_special_tokens": False,
         }
+        if self.sampling_fields is not None:
+            # The client's own fields only: vLLM fills in its defaults (the model's
+            # generation_config.json) exactly as for the client's direct request.
+            body.update(self.sampling_fields)
+        else:
+            # SamplingParams is the whole rule: neutral values override any defaults.
+            params = self.params
+            body.update(
+                temperature=params.temperature,
+                top_p=params.top_p,
+                top_k=params.top_k if params.top_k > 0 else -1,
+                min_p=0.0,
+                repetition_penalty=1.0,
+                presence_penalty=0.0,
+                frequency_penalty=0.0,
+            )
         if self.stop_token_ids:
             # Harmless for one token (a stop token still comes back in token_ids), and
             # vLLM then refuses out-of-vocabulary ids as it would the client's request,

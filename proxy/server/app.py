@@ -24,6 +24,8 @@ from proxy.server.request_models import REQUEST_MODELS
 from proxy.server.settings import ServerSettings, settings_from_sources
 
 logger = logging.getLogger("ddtree_proxy.server")
+RELAYED_METHODS = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
+VLLM_GUARDED_PREFIXES = ("/v1", "/v2", "/inference", "/cohere")
 
 
 def create_app(
@@ -73,6 +75,13 @@ def create_app(
 
     guarded = [Depends(authorize)]
 
+    async def authorize_as_vllm(request: Request) -> None:
+        # A relayed route is guarded as vLLM's own --api-key guards it: the paths under
+        # its guarded prefixes, any method but OPTIONS (vllm/entrypoints/serve/
+        # middleware/authenticate.py, AuthenticationMiddleware).
+        if request.url.path.startswith(VLLM_GUARDED_PREFIXES) and request.method != "OPTIONS":
+            await authorize(request)
+
     @app.post("/v1/completions", dependencies=guarded)
     async def completions(request: Request) -> Response:
         return await server.generate(request, "completions")
@@ -92,6 +101,18 @@ def create_app(
     @app.get("/metrics")
     async def metrics() -> Response:
         return server.metrics_text()
+
+    if settings.proxy_mode:
+        # Last, so that it matches only what no route above does: every other route
+        # vLLM serves (/tokenize, /v1/embeddings, /v1/responses, /version, ...).
+        @app.api_route(
+            "/{path:path}",
+            methods=RELAYED_METHODS,
+            dependencies=[Depends(authorize_as_vllm)],
+            include_in_schema=False,
+        )
+        async def relayed(request: Request) -> Response:
+            return await server.relay_route(request)
 
     return app
 
@@ -141,12 +162,15 @@ async def _serve(settings: ServerSettings) -> int:
             app, host=settings.host, port=settings.port, log_level=settings.log_level
         )
         logger.warning(
-            "ddtree-proxy (%s, target %s) serving %s on http://%s:%d",
+            "ddtree-proxy (%s, target %s) serving %s on http://%s:%d; text: %s; "
+            "generation defaults: %s",
             runtime.target.label,
             settings.target_url or "in-process",
             runtime.model_name,
             settings.host,
             settings.port,
+            runtime.text_source,
+            runtime.generation_defaults.describe(),
         )
         await uvicorn.Server(config).serve()
     finally:

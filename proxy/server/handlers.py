@@ -3,11 +3,12 @@
 A generation request is either served by the one decoding loop (through
 `proxy.server.generation.Responder`) or, where the runtime has an upstream (proxy
 mode), passed to vLLM unchanged: when it asks for something DDTree cannot reproduce
-losslessly (see `proxy.server.request_models`), when it opts out (`"ddtree":
-{"enabled": false}` or header `x-ddtree: off`), or when it names another model than
-the one DDTree verifies against. Without an upstream (engine mode) such requests are
-refused with a 400 naming the field. Errors follow OpenAI's shape; an upstream
-failure is a 502 (504 on timeout).
+losslessly (see `proxy.server.request_models`) or leaves such a server default in force
+(`proxy.generation_defaults`), when it opts out (`"ddtree": {"enabled": false}` or
+header `x-ddtree: off`), or when it names another model than the one DDTree verifies
+against. Without an upstream (engine mode) such requests are refused with a 400 naming
+the field. Every other route vLLM serves is relayed as it is (`relay_route`). Errors
+follow OpenAI's shape; an upstream failure is a 502 (504 on timeout).
 
 Hardening (docs/RELIABILITY.md): bodies over `max_body_bytes` get a 413 (after the
 body has been drained, so the client receives it); at most
@@ -33,7 +34,7 @@ from proxy.runtime import Runtime, build_runtime
 from proxy.server.admission import Admission
 from proxy.server.errors import RequestError, upstream_error
 from proxy.server.generation import Responder
-from proxy.server.metrics import DrafterCollector, ServerMetrics
+from proxy.server.metrics import DrafterCollector, ServerMetrics, UpstreamCallsCollector
 from proxy.server.passthrough import relay
 from proxy.server.plan import opted_out, plan_request
 from proxy.server.request_models import REQUEST_MODELS, Endpoint
@@ -67,6 +68,7 @@ class Handlers:
         if upstream is not None:
             retries = self.metrics.upstream_retries
             upstream.on_retry = lambda kind: retries.labels(kind).inc()
+            self.metrics.registry.register(UpstreamCallsCollector(upstream.num_calls))
 
     async def stop(self) -> None:
         if self._owns_runtime and self._runtime is not None:
@@ -98,6 +100,9 @@ class Handlers:
         if runtime.upstream is not None:
             if reason is None and model is not None and model != runtime.model_name:
                 reason = "model"  # e.g. a LoRA adapter: not the target DDTree verifies
+            if reason is None:
+                # A default penalty over output tokens that the request leaves in force.
+                reason = runtime.generation_defaults.passthrough_reason(body)
             if disabled or reason is not None:
                 return await self.passthrough(
                     request, endpoint, raw, body, reason="opt_out" if disabled else reason
@@ -209,6 +214,19 @@ class Handlers:
         return await relay(upstream, self.metrics, request, "POST", PATHS[endpoint], raw)
 
     # ----- other routes -----------------------------------------------------------
+
+    async def relay_route(self, request: Request) -> Response:
+        """Any other route (proxy mode): to vLLM as it is -- method, path, query,
+        headers, body -- and its answer back as it is, streaming included; under the
+        proxy's body limit, its API key guarding what vLLM's would (`app`)."""
+        upstream = self.runtime.upstream
+        if upstream is None:
+            raise RequestError("Not Found", status=404, err_type="NotFoundError")
+        raw = await self._read_body(request)
+        self.metrics.relayed.labels(request.method).inc()
+        return await relay(
+            upstream, self.metrics, request, request.method, request.url.path, raw or None
+        )
 
     async def models(self, request: Request) -> Response:
         runtime = self.runtime

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, Metric
@@ -53,6 +53,12 @@ class ServerMetrics:
             "ddtree_passthroughs",
             "Requests sent to the upstream unchanged, by the field that required it",
             "reason",
+        )
+        self.relayed = _counter(
+            registry,
+            "ddtree_relayed",
+            "Requests to vLLM's other routes (not generation), relayed as they are, by method",
+            "method",
         )
         self.rounds = _counter(registry, "ddtree_rounds", "Draft-verify rounds")
         self.generated_tokens = _counter(
@@ -194,3 +200,27 @@ class DrafterCollector:
         for kind, count in sorted(totals["failures"].items()):
             failures.add_metric([kind], count)
         yield failures
+
+
+# The upstream's auxiliary routes: tokenization, not generation.
+AUX_PATHS = ("/tokenize", "/detokenize")
+
+
+class UpstreamCallsCollector:
+    """Calls to the upstream's auxiliary routes (`VLLMHttp.num_calls`), read at scrape
+    time: /tokenize renders chat prompts (one call per chat request); /detokenize stays
+    at 0 while the proxy decodes text with a local tokenizer."""
+
+    def __init__(self, num_calls: Mapping[str, int]):
+        self._num_calls = num_calls
+
+    def collect(self) -> Iterator[Metric]:
+        calls = CounterMetricFamily(
+            "ddtree_upstream_aux_calls",
+            "Auxiliary calls to the upstream (tokenization), by path: /tokenize for chat "
+            "prompts, /detokenize only where no tokenizer file is on the proxy's host",
+            labels=["path"],
+        )
+        for path in AUX_PATHS:
+            calls.add_metric([path], self._num_calls.get(path, 0))
+        yield calls

@@ -1,5 +1,7 @@
-"""Proxy mode's pass-through: requests DDTree does not serve go to vLLM as they are,
-and vLLM's answer (status, body bytes, streaming) comes back as it is."""
+"""Proxy mode's pass-through: requests DDTree does not serve -- and every route of
+vLLM's the proxy does not serve itself -- go to vLLM as they are (method, path, query,
+headers, body), and vLLM's answer (status, headers, body bytes, streaming) comes back
+as it is."""
 
 from __future__ import annotations
 
@@ -15,6 +17,18 @@ from proxy.server.errors import error_body, upstream_error
 from proxy.server.metrics import ServerMetrics
 from proxy.server.responses import sse
 
+# Headers of one connection, not of the request (RFC 9110, 7.6.1), and those the HTTP
+# client sets itself for the body it sends.
+_HOP_BY_HOP = frozenset(
+    {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te",
+     "trailer", "trailers", "transfer-encoding", "upgrade", "host", "content-length"}
+)  # fmt: skip
+# Not sent on: the client's credentials are the proxy's (vLLM gets --upstream-api-key),
+# x-ddtree is the proxy's own switch.
+_NOT_FORWARDED = _HOP_BY_HOP | {"authorization", "x-ddtree"}
+# Not sent back: the proxy's own HTTP server writes these.
+_NOT_RETURNED = (_HOP_BY_HOP - {"content-length"}) | {"date", "server"}
+
 
 async def relay(
     upstream: VLLMHttp,
@@ -24,24 +38,26 @@ async def relay(
     path: str,
     content: bytes | None,
 ) -> Response:
-    """Send one request to vLLM as the client sent it; relay its status, headers that
-    describe the body, and the body bytes as they arrive."""
-    headers = {"accept-encoding": request.headers.get("accept-encoding", "identity")}
-    for name in ("content-type", "accept", "x-request-id"):
-        if name in request.headers:
-            headers[name] = request.headers[name]
+    """Send one request to vLLM as the client sent it (`path` with the client's query
+    string); relay its status, headers and body bytes as they arrive."""
+    headers = {
+        name: value for name, value in request.headers.items() if name not in _NOT_FORWARDED
+    }
+    # No compression the client did not ask for (the body is relayed as it comes).
+    headers["accept-encoding"] = request.headers.get("accept-encoding", "identity")
+    if request.url.query:
+        path = f"{path}?{request.url.query}"
     try:
         response = await upstream.open_stream(method, path, content, headers)
     except TargetError as exc:
         raise upstream_error(exc, metrics) from exc
-    relayed = {
-        name: response.headers[name]
-        for name in ("content-type", "content-encoding", "x-request-id")
-        if name in response.headers
-    }
-    return StreamingResponse(
-        _relay_body(response, metrics), status_code=response.status_code, headers=relayed
-    )
+    relayed = StreamingResponse(_relay_body(response, metrics), status_code=response.status_code)
+    relayed.raw_headers = [
+        (name.lower().encode("latin-1"), value.encode("latin-1"))
+        for name, value in response.headers.multi_items()
+        if name.lower() not in _NOT_RETURNED
+    ]
+    return relayed
 
 
 async def _relay_body(response: httpx.Response, metrics: ServerMetrics) -> AsyncIterator[bytes]:

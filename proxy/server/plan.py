@@ -12,6 +12,7 @@ from fastapi import Request
 
 from proxy.backend.base import SessionOptions
 from proxy.decoding import GenerationRequest, PromptError, TreeSettings, resolve_depth
+from proxy.generation_defaults import SAMPLING_FIELDS, GenerationDefaults
 from proxy.runtime import Runtime
 from proxy.sampling import SamplingParams
 from proxy.server.errors import RequestError
@@ -130,11 +131,9 @@ async def plan_request(
             f"the prompt has {len(prompt_ids)}: no room for output",
             param=prompt_field,
         )
-    # Like vLLM: the output stops at the context limit (finish_reason "length")
-    # rather than refusing a max_tokens that would pass it.
-    room = limit - len(prompt_ids)
-    max_tokens = room if max_tokens is None else min(max_tokens, room)
-    sampling = _sampling(parsed, runtime.sampling_defaults)
+    defaults = runtime.generation_defaults
+    max_tokens = _max_tokens(max_tokens, limit - len(prompt_ids), defaults)
+    sampling = _sampling(parsed, defaults)
     want_logprobs = (
         parsed.logprobs is not None
         if isinstance(parsed, CompletionRequest)
@@ -153,6 +152,8 @@ async def plan_request(
             logprobs=want_logprobs,
             strategy=strategy,
             stream=bool(parsed.stream),
+            remote_text=runtime.remote_text,
+            sampling_fields=_client_sampling(parsed) if runtime.upstream is not None else None,
         )
     except PromptError as exc:
         raise RequestError(f"{prompt_field}: {exc}", param=prompt_field) from None
@@ -182,19 +183,42 @@ async def plan_request(
     )
 
 
+def _max_tokens(requested: int | None, room: int, defaults: GenerationDefaults) -> int:
+    """The output limit vLLM would run to (vllm/entrypoints/serve/utils/api_utils.py,
+    `get_max_tokens`): the request's, else the default max_tokens, else the room left;
+    never past the room (the output stops there with "length" rather than refusing) nor
+    a server-wide cap."""
+    if requested is None:
+        requested = defaults.values.get("max_tokens")
+    limits = [room, requested, defaults.max_tokens_cap]
+    return int(min(limit for limit in limits if limit is not None))
+
+
 def _sampling(
-    parsed: CompletionRequest | ChatCompletionRequest, defaults: dict[str, float | int]
+    parsed: CompletionRequest | ChatCompletionRequest, defaults: GenerationDefaults
 ) -> SamplingParams:
+    """The sampling rule in force: the request's fields, else the server's defaults
+    (the proxy decides greedy or not on it; engine mode samples with it)."""
     temperature = parsed.temperature
     if temperature is None:
-        temperature = float(defaults.get("temperature", 1.0))
+        temperature = float(defaults.get("temperature"))
     if temperature < GREEDY_TEMPERATURE:
         return SamplingParams(temperature=0.0, seed=parsed.seed)
-    top_p = parsed.top_p if parsed.top_p is not None else float(defaults.get("top_p", 1.0))
-    top_k = parsed.top_k if parsed.top_k is not None else int(defaults.get("top_k", 0))
+    top_p = parsed.top_p if parsed.top_p is not None else float(defaults.get("top_p"))
+    top_k = parsed.top_k if parsed.top_k is not None else int(defaults.get("top_k"))
     return SamplingParams(
         temperature=temperature, top_p=top_p, top_k=max(top_k, 0), seed=parsed.seed
     )
+
+
+def _client_sampling(parsed: CompletionRequest | ChatCompletionRequest) -> dict[str, Any]:
+    """The sampling fields the client set itself, as it set them (null is unset, as in
+    vLLM): the proxy's calls to vLLM carry these and no others, so vLLM applies its own
+    defaults to the rest. Penalties and min_p reach here only with neutral values (any
+    other is passed through), which still override a server default."""
+    given = parsed.model_dump(include={"temperature", "top_p", "top_k"})
+    given.update(parsed.model_extra or {})
+    return {name: given[name] for name in SAMPLING_FIELDS if given.get(name) is not None}
 
 
 def _tree(
@@ -223,6 +247,16 @@ def _tree(
                 # Its log-probs come from prompt logprobs, which can differ from what vLLM
                 # reports for the same token in a completion.
                 raise ValueError("'paths' serves requests without logprobs only; use 'nodes'")
+            defaults = runtime.generation_defaults
+            if strategy == "paths" and (
+                not defaults.known or defaults.get("repetition_penalty") != 1.0
+            ):
+                # Prompt logprobs are the raw distribution: their argmax is not the
+                # choice a repetition penalty in force makes (nor one nobody can rule out).
+                raise ValueError(
+                    "'paths' reads argmaxes of raw prompt logprobs, which a default "
+                    "repetition_penalty (or unknown defaults) would not pick; use 'nodes'"
+                )
         except ValueError as exc:
             raise RequestError(f"ddtree.strategy: {exc}", param="ddtree.strategy") from None
     if tree.kind != "none":
