@@ -51,6 +51,8 @@ class _RecordingSession:
         self.inner = inner
         self.log = log
         self._seen = 0
+        # Plain generation where the inner session offers it, passed through.
+        self.plain = self._plain if inner.plain is not None else None
 
     @property
     def counters(self) -> TargetCounters:
@@ -83,8 +85,9 @@ class _RecordingSession:
         self._seen = self.log.context_len[-1] + len(result.accepted_nodes)
         return await self.inner.accept(tree, result)
 
-    async def plain(self, committed: Sequence[int], max_tokens: int, stream: bool = True):
+    async def _plain(self, committed: Sequence[int], max_tokens: int, stream: bool = True):
         # Plain generation has no tree to log; the next round's context starts after it.
+        assert self.inner.plain is not None
         events = self.inner.plain(committed, max_tokens, stream)
         self._seen = len(committed)
         try:
@@ -108,7 +111,6 @@ class RecordingTarget:
         self.max_model_len = inner.max_model_len
         self.eos_token_ids = inner.eos_token_ids
         self.strategies = inner.strategies
-        self.can_stream = inner.can_stream
         self.check_options = inner.check_options
         self.health = inner.health
         self.aclose = inner.aclose

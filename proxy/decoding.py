@@ -22,11 +22,10 @@ from pydantic import BaseModel, ConfigDict, Field
 from proxy.adaptive import AdaptiveState, Controller
 from proxy.adaptive.controller import SHADOW_EVERY
 from proxy.backend.base import SessionOptions, Target, TargetError, TargetSession
-from proxy.drafter.base import AsyncDraftSession, Drafter, DraftError, DraftSession, draft
+from proxy.drafter.base import Drafter, DraftError, DraftSession
 from proxy.output import WINDOW_TOKENS, Delta, Detokenize, OutputProcessor
-from proxy.round import RoundShape, RoundStats, speculate
+from proxy.round import RoundShape, RoundStats, draft_tree, speculate
 from proxy.sampling import SamplingParams
-from proxy.tree import build_chain, build_tree
 
 DEFAULT_DEPTH = 8  # used when the drafter has no block limit of its own
 
@@ -113,13 +112,13 @@ class GenerationStats:
         self.switches_to_plain += stats.switches_to_plain
         self.switches_to_speculation += stats.switches_to_speculation
         if stats.kind == "plain":
-            self.plain_tokens += stats.acceptance_length
+            self.plain_tokens += stats.num_tokens
             self.plain_calls += stats.upstream_calls
             self.verify_s += stats.verify_s
             return
         self.upstream_calls += stats.upstream_calls
         self.rounds += 1
-        self.acceptance_lengths.append(stats.acceptance_length)
+        self.acceptance_lengths.append(stats.num_tokens)
         self.tree_nodes.append(stats.num_nodes)
         self.draft_s += stats.draft_s
         self.tree_s += stats.tree_s
@@ -213,20 +212,19 @@ async def stream_generate(
         stop_token_ids=request.stop_token_ids,
         sampling_fields=request.sampling_fields,
     )
-    controller: Controller | None = None
-    if adaptive is not None and use_drafter and settings.policy == "adaptive":
-        controller = adaptive.controller(
-            can_stream=target.can_stream, seeded=request.sampling.seed is not None
-        )
     session = await target.start(request.prompt_ids, options)
-    if controller is not None:
-        controller.start()  # after the target's start: `finish` below balances it
+    controller: Controller | None = None
     try:
+        if adaptive is not None and use_drafter and settings.policy == "adaptive":
+            controller = adaptive.controller(
+                can_stream=session.plain is not None, seeded=request.sampling.seed is not None
+            )
+            controller.start()  # `finish` below balances it
         draft_session = (
             drafter.start(request.prompt_ids, session.prompt_features) if use_drafter else None
         )
         committed = list(request.prompt_ids)
-        new_tokens = len(committed)  # context the target has not seen yet
+        unseen_tokens = len(committed)  # context the target has not seen yet
         reported = (0, 0)  # the controller's switch counts already reported
         while output.finish_reason is None:
             depth = min(max_depth, output.remaining - 1, target.max_model_len - len(committed) - 1)
@@ -235,20 +233,20 @@ async def stream_generate(
                 assert adaptive is not None and draft_session is not None
                 chunk = _plain_stream(
                     session, draft_session, committed, output, controller, adaptive, shape,
-                    target.max_model_len, request.stream, opening=len(committed) == new_tokens,
+                    target.max_model_len, request.stream, opening=len(committed) == unseen_tokens,
                     per_event=request.stream and not request.remote_text,
                 )  # fmt: skip
                 async for delta in chunk:
                     yield delta
-                new_tokens = 1  # the stream left the target's cache holding the context
+                unseen_tokens = 1  # the stream left the target's cache holding the context
                 continue
             choose = None
             if controller is not None:
-                choose = functools.partial(controller.choose_nodes, new_tokens=new_tokens)
+                choose = functools.partial(controller.choose_nodes, new_tokens=unseen_tokens)
             done = await speculate(session, draft_session, committed, shape, choose)
             stats = done.stats
             if controller is not None and adaptive is not None:
-                _learn(controller, adaptive, done, new_tokens)
+                _learn(controller, adaptive, done, unseen_tokens)
                 counts = (controller.num_switches_to_plain, controller.num_switches_to_speculation)
                 stats = dataclasses.replace(
                     stats,
@@ -256,7 +254,7 @@ async def stream_generate(
                     switches_to_speculation=counts[1] - reported[1],
                 )
                 reported = counts
-            new_tokens = len(done.tokens)
+            unseen_tokens = len(done.tokens)
             yield await output.add(
                 done.tokens,
                 done.logprobs,
@@ -269,13 +267,13 @@ async def stream_generate(
         await session.aclose()
 
 
-def _learn(controller: Controller, adaptive: AdaptiveState, done, new_tokens: int) -> None:
+def _learn(controller: Controller, adaptive: AdaptiveState, done, unseen_tokens: int) -> None:
     """Feed a verified round to the calibration and the cost model."""
     tree, stats = done.tree, done.stats
     controller.observe_round(tree, done.accepted_nodes)
     num_prompts = tree.num_nodes + 1
     adaptive.costs.observe_call(
-        num_prompts, num_prompts * new_tokens + int(tree.depths.sum()), stats.verify_s
+        num_prompts, num_prompts * unseen_tokens + int(tree.depths.sum()), stats.verify_s
     )
     overhead = stats.draft_s + stats.tree_s
     adaptive.costs.observe_round(len(done.tokens), overhead + stats.verify_s, overhead)
@@ -284,7 +282,7 @@ def _learn(controller: Controller, adaptive: AdaptiveState, done, new_tokens: in
 
 async def _plain_stream(
     session: TargetSession,
-    draft_session: DraftSession | AsyncDraftSession,
+    draft_session: DraftSession,
     committed: list[int],
     output: OutputProcessor,
     controller: Controller,
@@ -321,6 +319,7 @@ async def _plain_stream(
     calls, sent = 1, len(committed)  # the stream's call and prompt, with its first piece
     pending: list[int] = []
     pending_logprobs: list[float] = []
+    assert session.plain is not None  # the controller goes plain only where it can
     stream = session.plain(list(committed), num_tokens, stream=not one_answer)
     try:
         while True:
@@ -352,7 +351,7 @@ async def _plain_stream(
                 pending_logprobs.extend(logprobs or ())
             if pending and (per_event or ended or leave or len(pending) >= SHADOW_EVERY):
                 stats = RoundStats(
-                    acceptance_length=len(pending),
+                    num_tokens=len(pending),
                     num_nodes=0,
                     draft_s=0.0,
                     tree_s=0.0,
@@ -380,23 +379,17 @@ async def _plain_stream(
 
 
 async def _add_shadow(
-    draft_session: DraftSession | AsyncDraftSession,
+    draft_session: DraftSession,
     committed: list[int],
     controller: Controller,
     shape: RoundShape,
-    new_tokens: int,
+    unseen_tokens: int,
 ) -> None:
-    top_k = 1 if shape.kind == "chain" else shape.budget
     try:
-        dist = await draft(draft_session, committed, shape.depth, top_k)
+        tree, _ = await draft_tree(draft_session, committed, shape)
     except DraftError:
         return  # no shadow this time: the drafter reports its own failures
-    root = committed[-1]
-    if shape.kind == "chain":
-        tree = build_chain(root, dist, shape.depth)
-    else:
-        tree = build_tree(root, dist, shape.budget, shape.depth)
-    controller.add_shadow(tree, len(committed), new_tokens)
+    controller.add_shadow(tree, len(committed), unseen_tokens)
 
 
 async def generate(

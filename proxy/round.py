@@ -16,7 +16,7 @@ from typing import Callable, Literal
 import numpy as np
 
 from proxy.backend.base import TargetSession
-from proxy.drafter.base import AsyncDraftSession, DraftError, DraftSession, draft, draft_calls
+from proxy.drafter.base import DraftError, DraftSession
 from proxy.tree import DraftTree, build_chain, build_tree, walk
 
 
@@ -31,15 +31,17 @@ class RoundShape:
 
 @dataclass(frozen=True)
 class RoundStats:
-    acceptance_length: int  # accepted drafted tokens + 1 bonus token
+    # Tokens committed: a round's acceptance length (accepted drafted tokens + 1 bonus
+    # token), or a piece of plain generation's token count.
+    num_tokens: int
     num_nodes: int  # tree nodes, root excluded
     draft_s: float
     tree_s: float
     verify_s: float  # verify + walk + keep the accepted path
     upstream_calls: int  # HTTP calls this round made (0 in engine mode)
     verify_prompt_tokens: int  # tokens this round sent to the target
-    # "plain": not a round but tokens of plain generation (acceptance_length = their
-    # number; no tree); "speculative": a verified tree.
+    # "plain": not a round but a piece of plain generation (no tree); "speculative": a
+    # verified tree.
     kind: Literal["speculative", "plain"] = "speculative"
     # The adaptive policy's switches since the previous step.
     switches_to_plain: int = 0
@@ -67,9 +69,25 @@ def root_only(root_token: int) -> DraftTree:
     )
 
 
+async def draft_tree(
+    draft_session: DraftSession, committed: list[int], shape: RoundShape
+) -> tuple[DraftTree, float]:
+    """The tree of this round's shape the drafter proposes after `committed` (whose last
+    token is the root), and the seconds the drafter took (the rest is the build).
+    Raises DraftError when the draft cannot be had."""
+    chain = shape.kind == "chain"
+    top_k = 1 if chain else shape.budget
+    start = time.perf_counter()
+    dist = await draft_session.propose(committed, shape.depth, top_k)
+    draft_s = time.perf_counter() - start
+    if chain:
+        return build_chain(committed[-1], dist, shape.depth), draft_s
+    return build_tree(committed[-1], dist, shape.budget, shape.depth), draft_s
+
+
 async def speculate(
     session: TargetSession,
-    draft_session: DraftSession | AsyncDraftSession | None,
+    draft_session: DraftSession | None,
     committed: list[int],
     shape: RoundShape,
     choose: Callable[[DraftTree], int] | None = None,
@@ -81,26 +99,19 @@ async def speculate(
     calls_before = session.counters.upstream_calls
     tokens_before = session.counters.verify_prompt_tokens
     root = committed[-1]
-    draft_calls_before = draft_calls(draft_session)
+    draft_calls_before = draft_session.draft_calls if draft_session is not None else 0
     draft_error = None
     start = time.perf_counter()
-    drafted = start
+    draft_s = 0.0
     tree = root_only(root)
     if shape.depth >= 1 and draft_session is not None and shape.kind != "none":
-        chain = shape.kind == "chain"
-        top_k = 1 if chain else shape.budget
         try:
-            dist = await draft(draft_session, committed, shape.depth, top_k)
+            tree, draft_s = await draft_tree(draft_session, committed, shape)
         except DraftError as exc:
             draft_error = exc.kind  # plain decoding this round; the drafter reports it
-        drafted = time.perf_counter()
-        if draft_error is None:
-            if chain:
-                tree = build_chain(root, dist, shape.depth)
-            else:
-                tree = build_tree(root, dist, shape.budget, shape.depth)
-            if choose is not None:
-                tree = tree.prefix(choose(tree))
+            draft_s = time.perf_counter() - start
+        if choose is not None and draft_error is None:
+            tree = tree.prefix(choose(tree))
     built = time.perf_counter()
 
     verification = await session.verify(committed, tree)
@@ -108,26 +119,27 @@ async def speculate(
     features = await session.accept(tree, result)
     verified = time.perf_counter()
 
-    new_tokens = result.committed_tokens
+    round_tokens = result.committed_tokens
     logprobs = None
     if verification.logprobs is not None:
         logprobs = [float(verification.logprobs[row]) for row in (0, *result.accepted_nodes)]
-    committed.extend(new_tokens)
+    committed.extend(round_tokens)
     if draft_session is not None:
         draft_session.advance(committed, features)
     stats = RoundStats(
-        acceptance_length=result.acceptance_length,
+        num_tokens=result.acceptance_length,
         num_nodes=tree.num_nodes,
-        draft_s=drafted - start,
-        tree_s=built - drafted,
+        draft_s=draft_s,
+        tree_s=built - start - draft_s,
         verify_s=verified - built,
         upstream_calls=session.counters.upstream_calls - calls_before,
         verify_prompt_tokens=session.counters.verify_prompt_tokens - tokens_before,
-        draft_calls=draft_calls(draft_session) - draft_calls_before,
+        draft_calls=(draft_session.draft_calls if draft_session is not None else 0)
+        - draft_calls_before,
         draft_error=draft_error,
     )
     return Round(
-        tokens=list(new_tokens),
+        tokens=list(round_tokens),
         logprobs=logprobs,
         stats=stats,
         tree=tree,

@@ -20,13 +20,13 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import httpx
 
 from proxy.adaptive import AdaptiveState
 from proxy.backend.base import Target, TargetError
-from proxy.backend.vllm import RetryPolicy, VLLMHttp, VLLMTarget
+from proxy.backend.vllm import RetryPolicy, UnknownEOSError, VLLMHttp, VLLMTarget
 from proxy.backend.vllm_tokens import VLLMTokens
 from proxy.drafter import load_drafter, parse_drafter_spec
 from proxy.drafter.base import Drafter, TargetInfo
@@ -49,9 +49,13 @@ ENGINE_EXTRA_HINT = "install the engine extra: pip install 'ddtree-proxy[engine]
 # over the vocabulary (decoded as one sequence), and a text of code, non-ASCII letters,
 # whitespace runs and the added tokens (tokenized with special tokens added).
 NUM_PROBE_IDS = 2048
-PROBE_TEXT = 'def f(x):\n\treturn x  # \u00e9t\u00e9, \u4e2d\u6587, \u2603\n\n   end. "ok" n\'t 1,2,3'
+PROBE_TEXT = (
+    'def f(x):\n\treturn x  # \u00e9t\u00e9, \u4e2d\u6587, \u2603\n\n   end. "ok" n\'t 1,2,3'
+)
 
 logger = logging.getLogger("ddtree_proxy.runtime")
+
+Mode = Literal["engine", "proxy"]
 
 
 @dataclass
@@ -66,8 +70,8 @@ class Runtime:
     # What the server applies to fields a request leaves unset (engine mode: the
     # target's temperature, top_p, top_k and max_new_tokens, applied by the proxy).
     generation_defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
-    # Where requests DDTree does not serve go unchanged; None: nowhere (engine mode).
-    upstream: VLLMHttp | None = None
+    # Proxy mode's vLLM server; None in engine mode (see `mode`, `upstream`).
+    upstream_http: VLLMHttp | None = None
     # Where output text comes from, for the start-up log.
     text_source: str = "the target's tokenizer, in-process"
     # Text is decoded by the server, one HTTP call per decode (no tokenizer file here).
@@ -76,6 +80,19 @@ class Runtime:
     # What the adaptive policy learns while serving (costs, drafter calibration).
     adaptive: AdaptiveState = field(default_factory=AdaptiveState)
     restore_torch_threads: int | None = None  # torch's thread count before we set ours
+
+    @property
+    def mode(self) -> Mode:
+        """proxy: the target is a vLLM server, which also answers what DDTree does not
+        serve (`upstream`); engine: the target runs in this process, nothing behind it."""
+        return "engine" if self.upstream_http is None else "proxy"
+
+    @property
+    def upstream(self) -> VLLMHttp:
+        """Proxy mode's vLLM server, where requests DDTree does not serve go unchanged."""
+        if self.upstream_http is None:
+            raise RuntimeError("engine mode has no upstream server")
+        return self.upstream_http
 
     @property
     def max_model_len(self) -> int:
@@ -93,18 +110,17 @@ class Runtime:
         body["mode"] = self.target.label
         if details:
             body["upstream"] = details
-        drafter_health = getattr(self.drafter, "health", None)
-        if drafter_health is not None:
+        drafter = await self.drafter.health() if self.drafter is not None else None
+        if drafter is not None:
             # A draft server's trouble degrades speed, never correctness: reported here,
             # but the proxy stays healthy while its target is.
-            body["drafter"] = await drafter_health()
+            body["drafter"] = drafter
         return healthy, body
 
     async def aclose(self) -> None:
         await self.target.aclose()
-        drafter_close = getattr(self.drafter, "aclose", None)
-        if drafter_close is not None:
-            await drafter_close()
+        if self.drafter is not None:
+            await self.drafter.aclose()
         if self.restore_torch_threads is not None:
             _torch().set_num_threads(self.restore_torch_threads)
             self.restore_torch_threads = None
@@ -136,9 +152,7 @@ async def build_runtime(
     return runtime
 
 
-def target_info(
-    config: Any, model_dir: Path | None, model: torch.nn.Module | None
-) -> TargetInfo:
+def target_info(config: Any, model_dir: Path | None, model: torch.nn.Module | None) -> TargetInfo:
     return TargetInfo(
         vocab_size=int(config.vocab_size),
         num_hidden_layers=int(config.num_hidden_layers),
@@ -172,7 +186,9 @@ def load_engine(
     tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
     drafter = None
     if drafter_spec:
-        drafter = load_drafter(drafter_spec, target_info(target.model.config, target_dir, target.model))
+        drafter = load_drafter(
+            drafter_spec, target_info(target.model.config, target_dir, target.model)
+        )
     return Runtime(
         target=target,
         drafter=drafter,
@@ -234,13 +250,11 @@ async def _build_proxy(
             ),
             transport=transport,
         )
-    except ValueError as exc:
-        if "eos_token_ids" in str(exc):
-            raise ValueError(
-                f"cannot tell the served model's EOS tokens: pass --tokenizer DIR (a local "
-                f"copy of the model's tokenizer and config) ({exc})"
-            ) from exc
-        raise
+    except UnknownEOSError as exc:
+        raise ValueError(
+            f"cannot tell the served model's EOS tokens: pass --tokenizer DIR (a local "
+            f"copy of the model's tokenizer and config) ({exc})"
+        ) from exc
     drafter: Drafter | None = None
     try:
         files = find_model_files(target.root, settings.tokenizer)
@@ -265,9 +279,7 @@ async def _build_proxy(
                     f"the {drafter.name} drafter needs target hidden states, which vLLM's "
                     "HTTP API cannot give; use engine mode for it"
                 )
-            connect = getattr(drafter, "connect", None)
-            if connect is not None:  # a served drafter: reach it, check its tokenizer
-                await connect(remote)
+            await drafter.connect(remote)  # a served drafter: reach it, check its tokenizer
         return Runtime(
             target=target,
             drafter=drafter,
@@ -275,15 +287,14 @@ async def _build_proxy(
             model_name=target.name,
             vocab_size=vocab_size,
             generation_defaults=load_generation_defaults(settings.generation_config, model_dir),
-            upstream=target.http,
+            upstream_http=target.http,
             text_source=text_source,
             remote_text=tokens is remote,
         )
     except BaseException:
         await target.aclose()
-        drafter_close = getattr(drafter, "aclose", None)
-        if drafter_close is not None:
-            await drafter_close()
+        if drafter is not None:
+            await drafter.aclose()
         raise
 
 
@@ -308,7 +319,9 @@ async def _text_source(
         if exc.kind != "http" or exc.retriable:
             raise  # the upstream is failing: start-up fails as on any other call
         # A server that refuses the probe itself (4xx): nothing to compare with.
-        logger.warning("could not check the tokenizer.json in %s against the server: %s", where, exc)
+        logger.warning(
+            "could not check the tokenizer.json in %s against the server: %s", where, exc
+        )
         same_text = same_tokens = True
     if not same_text:
         logger.warning(

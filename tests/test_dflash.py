@@ -329,13 +329,13 @@ def test_propose_shapes_sorting_and_normalisation(drafter, target_model):
     session = drafter.start(prompt, feats)
     vocab = target_model.config.vocab_size
 
-    dist = session.propose(prompt, depth=3, top_k=4)
+    dist = session.compute(prompt, depth=3, top_k=4)
     assert dist.token_ids.shape == (3, 4) and dist.log_probs.shape == (3, 4)
     assert dist.token_ids.dtype == np.int64 and dist.log_probs.dtype == np.float64
     assert np.all(np.diff(dist.log_probs, axis=1) <= 0)
     assert np.all(dist.log_probs <= 0) and np.all(np.isfinite(dist.log_probs))
 
-    full = session.propose(prompt, depth=drafter.max_depth, top_k=vocab)
+    full = session.compute(prompt, depth=drafter.max_depth, top_k=vocab)
     assert full.token_ids.shape == (BLOCK_SIZE - 1, vocab)
     for row in range(full.max_depth):  # log_softmax over the whole vocabulary
         assert sorted(full.token_ids[row].tolist()) == list(range(vocab))
@@ -344,12 +344,12 @@ def test_propose_shapes_sorting_and_normalisation(drafter, target_model):
     np.testing.assert_array_equal(full.token_ids[:3, :4], dist.token_ids)
     np.testing.assert_allclose(full.log_probs[:3, :4], dist.log_probs, rtol=0, atol=1e-6)
 
-    padded = session.propose(prompt, depth=1, top_k=vocab + 3)
+    padded = session.compute(prompt, depth=1, top_k=vocab + 3)
     assert np.all(np.isneginf(padded.log_probs[0, vocab:]))
     with pytest.raises(ValueError, match="depths 1..5"):
-        session.propose(prompt, depth=BLOCK_SIZE, top_k=2)
+        session.compute(prompt, depth=BLOCK_SIZE, top_k=2)
     with pytest.raises(ValueError, match="depths 1..5"):
-        session.propose(prompt, depth=0, top_k=2)
+        session.compute(prompt, depth=0, top_k=2)
 
 
 def test_empty_context_then_advance(drafter, target_model):
@@ -357,14 +357,14 @@ def test_empty_context_then_advance(drafter, target_model):
     committed = [42]
     for features in (None, torch.zeros(0, feature_size)):
         session = drafter.start(committed, features)
-        dist = session.propose(committed, depth=drafter.max_depth, top_k=3)
+        dist = session.compute(committed, depth=drafter.max_depth, top_k=3)
         assert dist.token_ids.shape == (BLOCK_SIZE - 1, 3)
     # one round later: the target processed the old root and one accepted token
     committed = [42, 7, 8]
     session.advance(
         committed, target_features(target_model, committed[:-1], drafter.target_layer_ids)
     )
-    assert session.propose(committed, depth=2, top_k=3).token_ids.shape == (2, 3)
+    assert session.compute(committed, depth=2, top_k=3).token_ids.shape == (2, 3)
     with pytest.raises(ValueError, match=r"features \[2, 128\]"):
         session.advance([42, 7, 8, 9, 10], torch.zeros(1, feature_size))
     with pytest.raises(ValueError, match="needs target features"):
@@ -426,7 +426,7 @@ def test_cached_session_matches_reference_over_rounds(drafter, target_model):
     committed = tokens[:1]  # starts with an empty context
     session = drafter.start(committed, target_features(target_model, [], (2, 0)))
     for step in (2, 1, 4, 2):
-        dist = session.propose(committed, depth=drafter.max_depth, top_k=vocab)
+        dist = session.compute(committed, depth=drafter.max_depth, top_k=vocab)
         expected = reference_log_probs(drafter, target_model, committed)
         ours = torch.full_like(expected, float("nan"))
         ours.scatter_(1, torch.from_numpy(dist.token_ids), torch.from_numpy(dist.log_probs).float())
@@ -472,8 +472,8 @@ def test_feature_concatenation_order(drafter, target_model):
     torch.testing.assert_close(projected, by_slice)
     prompt = tokens + [42]
     swapped = torch.cat([feats[:, HIDDEN:], feats[:, :HIDDEN]], dim=-1)
-    right = drafter.start(prompt, feats).propose(prompt, 3, 4)
-    wrong = drafter.start(prompt, swapped).propose(prompt, 3, 4)
+    right = drafter.start(prompt, feats).compute(prompt, 3, 4)
+    wrong = drafter.start(prompt, swapped).compute(prompt, 3, 4)
     assert not np.allclose(right.log_probs, wrong.log_probs)
 
 
@@ -482,7 +482,7 @@ def test_feature_concatenation_order(drafter, target_model):
 
 def proposals(drafter: DFlashDrafter, target_model, prompt: list[int]) -> np.ndarray:
     feats = target_features(target_model, prompt[:-1], drafter.target_layer_ids)
-    dist = drafter.start(prompt, feats).propose(prompt, drafter.max_depth, top_k=8)
+    dist = drafter.start(prompt, feats).compute(prompt, drafter.max_depth, top_k=8)
     return np.stack([dist.token_ids.astype(np.float64), dist.log_probs])
 
 
@@ -544,7 +544,7 @@ def test_batch_forward_with_block_mask_trains(drafter, target_model):
 
     # block 1 of sequence 0 (root at position 4) equals an inference-time proposal
     prompt = input_ids[0, :5].tolist()
-    dist = drafter.start(prompt, feats[0, :4]).propose(prompt, block - 1, top_k=1)
+    dist = drafter.start(prompt, feats[0, :4]).compute(prompt, block - 1, top_k=1)
     with torch.no_grad():
         logits = target_model.lm_head(hidden[0, block + 1 : 2 * block])
     np.testing.assert_array_equal(logits.argmax(-1).numpy(), dist.token_ids[:, 0])
@@ -577,6 +577,6 @@ def test_bfloat16_drafter_with_float32_target(drafter_dir, target_model, target_
     full = DFlashDrafter.load(str(drafter_dir), info)
     prompt = [9, 8, 7, 6, 5]
     feats = target_features(target_model, prompt[:-1], full.target_layer_ids)
-    dist_low = low.start(prompt, feats).propose(prompt, full.max_depth, top_k=1)
-    dist_full = full.start(prompt, feats).propose(prompt, full.max_depth, top_k=1)
+    dist_low = low.start(prompt, feats).compute(prompt, full.max_depth, top_k=1)
+    dist_full = full.start(prompt, feats).compute(prompt, full.max_depth, top_k=1)
     np.testing.assert_allclose(dist_low.log_probs, dist_full.log_probs, atol=0.1)

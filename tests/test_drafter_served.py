@@ -12,6 +12,7 @@ import pytest
 from proxy.backend.base import TargetError
 from proxy.decoding import GenerationRequest, TreeSettings, generate
 from proxy.drafter import DraftError, parse_drafter_spec
+from proxy.drafter.base import InProcessDrafter
 from proxy.drafter.served import ServedOptions
 from proxy.drafter.vllm_client import parse_greedy_draft
 from proxy.runtime import load_engine
@@ -80,7 +81,7 @@ class _DownSession:
 
     draft_calls = 0
 
-    async def apropose(self, committed, depth, top_k):
+    async def propose(self, committed, depth, top_k):
         self.draft_calls += 1
         raise DraftError("draft server down", "connect")
 
@@ -88,7 +89,7 @@ class _DownSession:
         return None
 
 
-class _DownDrafter:
+class _DownDrafter(InProcessDrafter):
     name = "down"
     max_depth = None
     target_layer_ids = None

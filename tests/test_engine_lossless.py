@@ -129,8 +129,8 @@ class _RecordingDrafter:
         session = self._drafter.start(prompt_ids, prompt_features)
         propose = session.propose
 
-        def recorded(committed, depth: int, top_k: int):
-            dist = propose(committed, depth, top_k)
+        async def recorded(committed, depth: int, top_k: int):
+            dist = await propose(committed, depth, top_k)
             self.proposals.append((depth, top_k, dist))
             return dist
 

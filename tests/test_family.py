@@ -106,7 +106,7 @@ def test_training_and_inference_conventions_agree(family, slice_windows_):
         for root_idx in (1, 37, len(window) - config.block_size):
             committed = window[: root_idx + 1].tolist()
             session = dflash.start(committed, features[:root_idx])
-            proposal = session.propose(committed, depth=config.max_depth, top_k=1)
+            proposal = session.compute(committed, depth=config.max_depth, top_k=1)
             logits = draft_block_logits(
                 dflash.model,
                 target.get_input_embeddings(),

@@ -90,8 +90,7 @@ class CostModel:
         self._token_s: float | None = None
         self._num_plain_tokens = 0
         self._overhead_s = 0.0  # drafting + tree building per round
-        self._round_rate: float | None = None  # tokens per second of recent rounds
-        self._start_rate: float | None = None  # ...and of many more (`start_round_rate`)
+        self._start_rate: float | None = None  # tokens/s of rounds, over many (`start_round_rate`)
         self._num_load_changes = 0
         self._rounds_since_plain = 0
         self._plain_tokens_since_round = 0
@@ -165,7 +164,6 @@ class CostModel:
             # (`_start_rate` stays: it spans many texts, and a trial that wins lifts it,
             # `trial_won`; `_round_load` too: joins still grow from the load rounds
             # were last measured at)
-            self._round_rate = None
             return True
 
     def _trial_is_due(self, first_s: float) -> bool:
@@ -225,7 +223,6 @@ class CostModel:
             self._plain_tokens_since_round = 0
             self._overhead_s = _ewma(self._overhead_s or None, overhead_s)
             if seconds > 0:
-                self._round_rate = _ewma(self._round_rate, num_tokens / seconds)
                 self._start_rate = _ewma(self._start_rate, num_tokens / seconds, _START_EWMA)
 
     def load_changed(self, slowdown: float) -> None:
@@ -237,8 +234,6 @@ class CostModel:
         joined, one slow round each)."""
         with self._lock:
             self._num_load_changes += 1
-            if self._round_rate is not None:
-                self._round_rate *= slowdown
             if self._start_rate is not None:
                 self._start_rate *= slowdown
             self._discount_fit()
@@ -269,12 +264,9 @@ class CostModel:
         """Plain tokens (all requests) since the last real round: how old the round rate is."""
         return self._plain_tokens_since_round
 
-    def recent_round_rate(self) -> float:
-        return self._round_rate if self._round_rate is not None else float("inf")
-
     def start_round_rate(self) -> float:
-        """The round rate a new request starts on: smoothed over many more rounds than
-        `recent_round_rate` (the last request's text -- one where the n-gram drafter
+        """The round rate a new request starts on: smoothed over many rounds, not only
+        the last request's (its text -- one where the n-gram drafter
         never matched -- must not send the next requests to plain: GPU shim, 4 code
         clients, a whole repetition plain where speculation runs 2.3x direct); load
         changes reach it through `load_changed` and won trials (`trial_won`)."""

@@ -10,8 +10,8 @@ This module imports no torch: proxy mode with a model-free drafter runs without 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, AsyncIterator, Protocol, Sequence
 
 import numpy as np
 
@@ -86,7 +86,20 @@ class TargetCounters:
 
     upstream_calls: int = 0  # HTTP calls to the upstream (0 in engine mode)
     verify_prompt_tokens: int = 0  # tokens the target had to (re)compute for verification
-    extra: dict[str, float] = field(default_factory=dict)
+
+
+class PlainGeneration(Protocol):
+    """The target's own decoding, without a tree: what a session offers where plain
+    generation is cheaper than a round of the root alone (a remote server's stream)."""
+
+    def __call__(
+        self, committed: Sequence[int], max_tokens: int, stream: bool = True
+    ) -> AsyncIterator[tuple[list[int], list[float] | None]]:
+        """Up to `max_tokens` tokens after `committed`, EOS ignored (the output
+        processor decides where the output stops): yields (token ids, their log-probs
+        or None) as they come -- streamed, or with `stream` False as one answer.
+        Closing the iterator early ends the generation upstream."""
+        ...
 
 
 class TargetSession(Protocol):
@@ -94,6 +107,9 @@ class TargetSession(Protocol):
     # [len(prompt) - 1, F] hidden states of the prefilled prompt tokens at the
     # requested feature layers; None when no features were requested.
     prompt_features: torch.Tensor | None
+    # Plain generation, where the target offers it; None: a round of the root alone is
+    # the target's plain step (in-process targets).
+    plain: PlainGeneration | None
 
     async def verify(self, committed: Sequence[int], tree: DraftTree) -> Verification:
         """The target's token at the root (committed[-1] == tree root) and at every node."""
@@ -106,12 +122,6 @@ class TargetSession(Protocol):
 
     async def aclose(self) -> None: ...
 
-    # Targets with `can_stream` also give sessions
-    #   plain(committed, max_tokens, stream=True)
-    #       -> AsyncIterator[(token ids, log-probs or None)]:
-    # the target's own decoding after `committed`, EOS ignored: streamed, or (stream
-    # False) as one answer.
-
 
 class Target(Protocol):
     name: str
@@ -119,7 +129,6 @@ class Target(Protocol):
     max_model_len: int  # longest sequence (prompt + output) the target accepts
     eos_token_ids: tuple[int, ...]
     strategies: tuple[str, ...]  # verification strategies it offers; () = just one way
-    can_stream: bool  # sessions can generate plainly (see TargetSession)
 
     def check_options(self, options: SessionOptions) -> None:
         """Raise ValueError naming the problem if `start` would refuse these options."""

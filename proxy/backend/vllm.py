@@ -302,6 +302,10 @@ class _Choice:
     prompt_argmax: list[tuple[int, float]] | None
 
 
+class UnknownEOSError(ValueError):
+    """The served model's EOS token ids are nowhere to be found on this host."""
+
+
 class VLLMTarget:
     """A `Target` served by a vLLM OpenAI-compatible server.
 
@@ -313,7 +317,6 @@ class VLLMTarget:
 
     label = "proxy"
     strategies = STRATEGIES
-    can_stream = True  # sessions offer `plain`: vLLM's own decoding, streamed
 
     def __init__(
         self,
@@ -375,7 +378,7 @@ class VLLMTarget:
                 files = find_model_files(root)
                 local = Path(model_dir) if model_dir else files.model_dir or files.tokenizer_dir
                 if local is None or not local.is_dir():
-                    raise ValueError(
+                    raise UnknownEOSError(
                         f"cannot find eos_token_ids for {model!r}: pass eos_token_ids= or "
                         f"model_dir= (the model's local config/tokenizer dir)"
                     )
@@ -399,6 +402,10 @@ class VLLMTarget:
             )
         if strategy == "paths" and not options.sampling.greedy:
             raise ValueError("'paths' reads argmaxes from prompt logprobs: greedy only")
+        if strategy == "paths" and options.want_logprobs:
+            # Its log-probs would come from prompt logprobs, which can differ from what
+            # vLLM reports for the same token in a completion.
+            raise ValueError("'paths' serves requests without logprobs only; use 'nodes'")
 
     async def start(self, prompt_ids: Sequence[int], options: SessionOptions) -> VLLMSession:
         self.check_options(options)

@@ -8,6 +8,7 @@ fully accepted draft costs no recomputation.
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 from typing import Sequence
 
@@ -16,7 +17,7 @@ import torch
 from transformers import DynamicCache
 
 from proxy.backend.engine.hf import crop_cache, load_causal_lm, match_intra_op_threads
-from proxy.drafter.base import TargetInfo
+from proxy.drafter.base import InProcessDrafter, TargetInfo
 from proxy.tree import DraftDistribution
 
 
@@ -40,8 +41,15 @@ class AutoregressiveSession:
         self._cached_tokens.extend(tokens)
         return torch.log_softmax(out.logits[0, -1].float(), dim=-1)
 
-    def propose(self, committed: Sequence[int], depth: int, top_k: int) -> DraftDistribution:
-        match_intra_op_threads()  # the loop calls propose in a worker thread
+    draft_calls = 0  # an in-process drafter calls no server
+
+    async def propose(self, committed: Sequence[int], depth: int, top_k: int) -> DraftDistribution:
+        # Milliseconds of torch kernels, which release the GIL: in a worker thread.
+        return await asyncio.to_thread(self.compute, committed, depth, top_k)
+
+    def compute(self, committed: Sequence[int], depth: int, top_k: int) -> DraftDistribution:
+        """`propose`, in the calling thread."""
+        match_intra_op_threads()  # `propose` calls this in a worker thread
         committed = list(committed)
         keep = 0
         limit = min(len(self._cached_tokens), len(committed) - 1)  # re-feed at least the root
@@ -68,7 +76,7 @@ class AutoregressiveSession:
         return None
 
 
-class AutoregressiveDrafter:
+class AutoregressiveDrafter(InProcessDrafter):
     name = "autoregressive"
     max_depth: int | None = None
     target_layer_ids: tuple[int, ...] | None = None

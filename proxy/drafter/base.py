@@ -4,17 +4,27 @@ A `Drafter` is loaded once and shared by requests; `start()` gives each request 
 own `DraftSession`, which holds that request's drafter state (a KV cache, target
 features, or nothing).
 
-A session proposes either synchronously (`propose`, compute-bound drafters: the round
-runs it in a worker thread) or asynchronously (`apropose`, drafters that wait on I/O,
-e.g. a draft model behind its own server: it runs in the event loop). The round calls
-`draft()` below, which picks the one a session has. A drafter whose proposal can fail
-for reasons outside the request (its server is down or slow) raises `DraftError`: the
-round then goes on without a draft, and the request never sees the failure.
+Every session proposes through one awaitable, `propose`; how it computes is its own
+business: a model drafter computes in a worker thread (milliseconds, mostly in torch
+kernels that release the GIL), the n-gram drafter right in the event loop (a fraction
+of a millisecond of numpy), a served drafter waits on its server's answer. A drafter
+whose proposal can fail for reasons outside the request (its server is down or slow)
+raises `DraftError`: the round then goes on without a draft, and the request never
+sees the failure.
+
+Why not every drafter in a worker thread: a worker thread running Python takes the GIL
+each time the loop's thread lets it go for a system call, and gives it back only after
+the 5 ms switch interval. Measured with the n-gram drafter's shadow rounds in a worker
+thread, 16 plain streams: the loop spent 8 ms in each socket `send` (cProfile: 2.86 s
+of 3.43 s).
+
+A drafter behind its own server is connected at start-up, asked for /health, counted
+on /metrics and closed; an in-process drafter inherits the no-op versions of those
+from `InProcessDrafter`.
 """
 
 from __future__ import annotations
 
-import asyncio
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, Sequence
@@ -54,14 +64,14 @@ class TargetInfo:
 
 
 class DraftSession(Protocol):
-    # Optional class attribute `inline = True`: propose is cheap pure Python, called in
-    # the event loop's thread rather than a worker's (see `draft`).
+    draft_calls: int  # calls this request made to a draft server (0 in process)
 
-    def propose(self, committed: Sequence[int], depth: int, top_k: int) -> DraftDistribution:
+    async def propose(self, committed: Sequence[int], depth: int, top_k: int) -> DraftDistribution:
         """Per-depth top-k log-probs for depths 1..depth after committed[-1] (the root).
 
         Returns a DraftDistribution of shape [depth, top_k]; ranks a drafter cannot
-        fill carry log-prob -inf.
+        fill carry log-prob -inf. Raises DraftError when the draft cannot be had this
+        round (a served drafter's server is down or slow).
         """
         ...
 
@@ -75,20 +85,6 @@ class DraftSession(Protocol):
         drafter asked for features.
         """
         ...
-
-
-class AsyncDraftSession(Protocol):
-    """A session whose drafts wait on I/O (a draft server): `apropose` runs in the event
-    loop. Same contract as `DraftSession.propose`, plus `DraftError` when the draft
-    cannot be had this round; `draft_calls` counts its calls to the server."""
-
-    draft_calls: int
-
-    async def apropose(
-        self, committed: Sequence[int], depth: int, top_k: int
-    ) -> DraftDistribution: ...
-
-    def advance(self, committed: Sequence[int], target_features: torch.Tensor | None) -> None: ...
 
 
 class Drafter(Protocol):
@@ -105,49 +101,38 @@ class Drafter(Protocol):
 
     def start(
         self, prompt_ids: Sequence[int], prompt_features: torch.Tensor | None
-    ) -> DraftSession | AsyncDraftSession:
+    ) -> DraftSession:
         """A session for one request. prompt_features: [len(prompt_ids) - 1, F] or None."""
         ...
 
+    async def connect(self, target_tokens: Tokens) -> None:
+        """Reach the drafter's server, if it has one, and check that it tokenizes as the
+        target does (ValueError naming the problem otherwise)."""
+        ...
 
-class ServedDrafter(Protocol):
-    """What a drafter behind its own server adds to `Drafter`: the runtime connects it
-    once (checking it against the target's tokenization), asks it for /health, and
-    closes it. Its sessions implement `apropose` and count their calls in
-    `draft_calls`."""
+    async def health(self) -> dict[str, Any] | None:
+        """Its server's state for /health; None for an in-process drafter."""
+        ...
 
-    async def connect(self, target_tokens: Tokens) -> None: ...
-
-    async def health(self) -> dict[str, Any]: ...
-
-    def counters(self) -> dict[str, Any]:
-        """Process-wide totals for /metrics: {"calls": int, "failures": {kind: int}}."""
+    def counters(self) -> dict[str, Any] | None:
+        """Process-wide totals for /metrics, {"calls": int, "failures": {kind: int}};
+        None for an in-process drafter (it calls no server)."""
         ...
 
     async def aclose(self) -> None: ...
 
 
-async def draft(
-    session: DraftSession | AsyncDraftSession, committed: Sequence[int], depth: int, top_k: int
-) -> DraftDistribution:
-    """The session's proposal: `apropose` awaited in the loop if it has one; `propose`
-    called right here if the session says it is `inline` (cheap Python that holds the
-    GIL anyway); else `propose` in a worker thread (a model drafter computes for
-    milliseconds, mostly in torch kernels that release the GIL).
+class InProcessDrafter:
+    """What a drafter that runs in this process has in place of a server's life cycle."""
 
-    Why not every drafter in a thread: a worker thread running Python takes the GIL
-    each time the loop's thread lets it go for a system call, and gives it back only
-    after the 5 ms switch interval. Measured with the n-gram drafter's shadow rounds in
-    a worker thread, 16 plain streams: the loop spent 8 ms in each socket `send`
-    (cProfile: 2.86 s of 3.43 s)."""
-    apropose = getattr(session, "apropose", None)
-    if apropose is not None:
-        return await apropose(committed, depth, top_k)
-    if getattr(session, "inline", False):
-        return session.propose(committed, depth, top_k)
-    return await asyncio.to_thread(session.propose, committed, depth, top_k)
+    async def connect(self, target_tokens: Tokens) -> None:
+        return None
 
+    async def health(self) -> dict[str, Any] | None:
+        return None
 
-def draft_calls(session: DraftSession | AsyncDraftSession | None) -> int:
-    """Calls the session has made to a draft server so far (0 for in-process drafters)."""
-    return int(getattr(session, "draft_calls", 0))
+    def counters(self) -> dict[str, Any] | None:
+        return None
+
+    async def aclose(self) -> None:
+        return None

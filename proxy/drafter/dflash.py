@@ -28,6 +28,7 @@ reference code does by default; a warning says so at load time.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from pathlib import Path
@@ -39,7 +40,7 @@ from safetensors import safe_open
 
 from proxy.backend.engine.hf import match_intra_op_threads
 from proxy.backend.engine.linear import Linear, pack_linears
-from proxy.drafter.base import TargetInfo
+from proxy.drafter.base import InProcessDrafter, TargetInfo
 from proxy.drafter.dflash_model import (
     FEATURE_LAYER_OFFSET,
     DFlashConfig,
@@ -146,7 +147,14 @@ class DFlashSession:
         features = features.to(device=param.device, dtype=param.dtype)[None]
         self._cache.append(self._drafter.model.context_kv(features, positions[None]))
 
-    def propose(self, committed: Sequence[int], depth: int, top_k: int) -> DraftDistribution:
+    draft_calls = 0  # an in-process drafter calls no server
+
+    async def propose(self, committed: Sequence[int], depth: int, top_k: int) -> DraftDistribution:
+        # Milliseconds of torch kernels, which release the GIL: in a worker thread.
+        return await asyncio.to_thread(self.compute, committed, depth, top_k)
+
+    def compute(self, committed: Sequence[int], depth: int, top_k: int) -> DraftDistribution:
+        """`propose`, in the calling thread."""
         drafter = self._drafter
         if not 1 <= depth <= drafter.max_depth:
             raise ValueError(
@@ -155,7 +163,7 @@ class DFlashSession:
         if top_k < 1:
             raise ValueError(f"top_k must be >= 1, got {top_k}")
         assert len(committed) - 1 == self._num_context, (len(committed), self._num_context)
-        match_intra_op_threads()  # the loop calls propose in a worker thread
+        match_intra_op_threads()  # `propose` calls this in a worker thread
         with torch.inference_mode():
             self._flush()
             log_probs = drafter.block_log_probs(int(committed[-1]), self._cache.layers(), depth)
@@ -171,7 +179,7 @@ class DFlashSession:
         self._take(target_features, len(committed))
 
 
-class DFlashDrafter:
+class DFlashDrafter(InProcessDrafter):
     """z-lab DFlash drafter. Load with `DFlashDrafter.load(checkpoint_dir, target)`."""
 
     name = "dflash"
@@ -299,14 +307,9 @@ def validate_for_target(config: DFlashConfig, target: TargetInfo, source: Path) 
 
 
 def _target_modules(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module]:
-    """The in-process target's input embedding and output head (engine mode)."""
-    embed = lm_head = None
-    if hasattr(model, "get_input_embeddings"):
-        embed, lm_head = model.get_input_embeddings(), model.get_output_embeddings()
-    if embed is None:
-        embed = getattr(getattr(model, "model", None), "embed_tokens", None)
-    if lm_head is None:
-        lm_head = getattr(model, "lm_head", None)
+    """The in-process target's input embedding and output head (engine mode: a
+    Transformers causal LM)."""
+    embed, lm_head = model.get_input_embeddings(), model.get_output_embeddings()
     if embed is None or lm_head is None:
         raise ValueError(
             f"dflash cannot find embed_tokens/lm_head on the target {type(model).__name__}"

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from proxy.drafter.base import TargetInfo
+from proxy.drafter.base import InProcessDrafter, TargetInfo
 from proxy.tree import DraftDistribution
 
 if TYPE_CHECKING:
@@ -33,12 +33,16 @@ def _match_starts(tokens: np.ndarray, ngram: int) -> np.ndarray:
 
 
 class NgramSession:
-    inline = True  # a fraction of a millisecond of numpy: no worker thread (see `draft`)
+    draft_calls = 0  # an in-process drafter calls no server
 
     def __init__(self, drafter: "NgramDrafter"):
         self.drafter = drafter
 
-    def propose(self, committed: Sequence[int], depth: int, top_k: int) -> DraftDistribution:
+    async def propose(
+        self, committed: Sequence[int], depth: int, top_k: int
+    ) -> DraftDistribution:
+        # A fraction of a millisecond of numpy: right here in the event loop (see
+        # proxy.drafter.base on why not in a worker thread).
         tokens = np.asarray(committed, dtype=np.int64)
         token_ids = np.zeros((depth, top_k), dtype=np.int64)
         log_probs = np.full((depth, top_k), -np.inf)
@@ -65,7 +69,7 @@ class NgramSession:
         return None
 
 
-class NgramDrafter:
+class NgramDrafter(InProcessDrafter):
     name = "ngram"
     max_depth: int | None = None
     target_layer_ids: tuple[int, ...] | None = None

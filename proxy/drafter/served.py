@@ -114,7 +114,7 @@ class ServedSession:
         self.prefetch_hits = 0  # rounds served by an overlapped call
         self._prefetch: tuple[list[int], asyncio.Task[GreedyDraft]] | None = None
 
-    async def apropose(self, committed: Sequence[int], depth: int, top_k: int) -> DraftDistribution:
+    async def propose(self, committed: Sequence[int], depth: int, top_k: int) -> DraftDistribution:
         committed = [int(t) for t in committed]
         drafter = self.drafter
         asked_k = min(top_k, drafter.options.top_k)

@@ -61,11 +61,12 @@ class Handlers:
         if self._runtime is None:
             self._runtime = await build_runtime(self.settings, transport)
             self._owns_runtime = True
-        counters = getattr(self._runtime.drafter, "counters", None)
-        if counters is not None:  # a served drafter counts its own calls and failures
-            self.metrics.registry.register(DrafterCollector(counters))
-        upstream = self._runtime.upstream
-        if upstream is not None:
+        drafter = self._runtime.drafter
+        if drafter is not None and drafter.counters() is not None:
+            # A served drafter counts its own calls and failures.
+            self.metrics.registry.register(DrafterCollector(drafter.counters))
+        if self._runtime.mode == "proxy":
+            upstream = self._runtime.upstream
             retries = self.metrics.upstream_retries
             upstream.on_retry = lambda kind: retries.labels(kind).inc()
             self.metrics.registry.register(UpstreamCallsCollector(upstream.num_calls))
@@ -97,7 +98,7 @@ class Handlers:
         request_model = REQUEST_MODELS[endpoint]
         reason = request_model.passthrough_reason(body)
         model = body.get("model")
-        if runtime.upstream is not None:
+        if runtime.mode == "proxy":
             if reason is None and model is not None and model != runtime.model_name:
                 reason = "model"  # e.g. a LoRA adapter: not the target DDTree verifies
             if reason is None:
@@ -107,7 +108,7 @@ class Handlers:
                 return await self.passthrough(
                     request, endpoint, raw, body, reason="opt_out" if disabled else reason
                 )
-        parsed = request_model.parse(body, refuse_unknown=runtime.upstream is None)
+        parsed = request_model.parse(body, refuse_unknown=runtime.mode == "engine")
         if parsed.model is not None and parsed.model != runtime.model_name:
             raise RequestError(
                 f"The model `{parsed.model}` does not exist.",
@@ -210,7 +211,6 @@ class Handlers:
                 {key: value for key, value in body.items() if key != "ddtree"}
             ).encode()
         upstream = self.runtime.upstream
-        assert upstream is not None
         return await relay(upstream, self.metrics, request, "POST", PATHS[endpoint], raw)
 
     # ----- other routes -----------------------------------------------------------
@@ -219,18 +219,18 @@ class Handlers:
         """Any other route (proxy mode): to vLLM as it is -- method, path, query,
         headers, body -- and its answer back as it is, streaming included; under the
         proxy's body limit, its API key guarding what vLLM's would (`app`)."""
-        upstream = self.runtime.upstream
-        if upstream is None:
+        runtime = self.runtime
+        if runtime.mode == "engine":
             raise RequestError("Not Found", status=404, err_type="NotFoundError")
         raw = await self._read_body(request)
         self.metrics.relayed.labels(request.method).inc()
         return await relay(
-            upstream, self.metrics, request, request.method, request.url.path, raw or None
+            runtime.upstream, self.metrics, request, request.method, request.url.path, raw or None
         )
 
     async def models(self, request: Request) -> Response:
         runtime = self.runtime
-        if runtime.upstream is not None:
+        if runtime.mode == "proxy":
             return await relay(runtime.upstream, self.metrics, request, "GET", "/v1/models", None)
         return JSONResponse(
             {

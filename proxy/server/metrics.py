@@ -158,12 +158,12 @@ class ServerMetrics:
         self.switches.labels("to_plain").inc(stats.switches_to_plain)
         self.switches.labels("to_speculation").inc(stats.switches_to_speculation)
         if stats.kind == "plain":
-            self.plain_tokens.inc(stats.acceptance_length)
+            self.plain_tokens.inc(stats.num_tokens)
             self.plain_streams.inc(stats.upstream_calls)
             return
         self.upstream_calls.inc(stats.upstream_calls)
         self.rounds.inc()
-        self.acceptance_length.observe(stats.acceptance_length)
+        self.acceptance_length.observe(stats.num_tokens)
         self.tree_nodes.observe(stats.num_nodes)
         self.draft_seconds.observe(stats.draft_s + stats.tree_s)
         self.verify_seconds.observe(stats.verify_s)
@@ -180,7 +180,7 @@ class ServerMetrics:
 
 
 class DrafterCollector:
-    """A served drafter's own totals (`proxy.drafter.base.ServedDrafter.counters`), read
+    """A served drafter's own totals (`proxy.drafter.base.Drafter.counters`), read
     at scrape time: draft calls, and rounds that went on without a draft by cause."""
 
     def __init__(self, counters: Callable[[], dict[str, Any]]):

@@ -102,7 +102,7 @@ async def plan_request(
                 param=prompt_field,
             )
     stop_token_ids = tuple(parsed.stop_token_ids or ())
-    if runtime.upstream is None and vocab_size is not None:
+    if runtime.mode == "engine" and vocab_size is not None:
         # vLLM's SamplingParams._validate_stop_token_ids. In proxy mode vLLM itself rules:
         # the ids ride along with the first verification call (VLLMSession._complete).
         invalid = [t for t in stop_token_ids if not 0 <= t < vocab_size]
@@ -153,7 +153,7 @@ async def plan_request(
             strategy=strategy,
             stream=bool(parsed.stream),
             remote_text=runtime.remote_text,
-            sampling_fields=_client_sampling(parsed) if runtime.upstream is not None else None,
+            sampling_fields=_client_sampling(parsed) if runtime.mode == "proxy" else None,
         )
     except PromptError as exc:
         raise RequestError(f"{prompt_field}: {exc}", param=prompt_field) from None
@@ -179,7 +179,7 @@ async def plan_request(
         stream=bool(parsed.stream),
         include_usage=include_usage,
         continuous_usage=continuous_usage,
-        mirror_vllm=runtime.upstream is not None,
+        mirror_vllm=runtime.mode == "proxy",
     )
 
 
@@ -243,10 +243,6 @@ def _tree(
         session = SessionOptions(sampling=sampling, want_logprobs=want_logprobs, strategy=strategy)
         try:
             runtime.target.check_options(session)
-            if strategy == "paths" and want_logprobs:
-                # Its log-probs come from prompt logprobs, which can differ from what vLLM
-                # reports for the same token in a completion.
-                raise ValueError("'paths' serves requests without logprobs only; use 'nodes'")
             defaults = runtime.generation_defaults
             if strategy == "paths" and (
                 not defaults.known or defaults.get("repetition_penalty") != 1.0

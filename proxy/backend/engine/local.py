@@ -60,7 +60,6 @@ class LocalTarget:
 
     label = "engine"
     strategies: tuple[str, ...] = ()  # one forward pass verifies the whole tree
-    can_stream = False  # plain decoding here is a round of the root alone
 
     def __init__(self, model: torch.nn.Module, name: str):
         self.model = model
@@ -124,6 +123,8 @@ class LocalTarget:
 
 
 class LocalSession:
+    plain = None  # plain decoding here is a round of the root alone
+
     def __init__(
         self,
         target: LocalTarget,
