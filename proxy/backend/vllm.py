@@ -298,8 +298,8 @@ def eos_token_ids_from_model_dir(model_dir: str | Path) -> tuple[int, ...]:
 class _Choice:
     token: int  # the completion's one generated token
     logprob: float | None  # its log-prob, when logprobs were asked for
-    # [len(prompt)] the argmax after prompt[:p] and its log-prob; [0] unused (no prefix)
-    prompt_argmax: list[tuple[int, float]] | None
+    # [len(prompt)] the argmax after prompt[:p]; [0] unused (no prefix)
+    prompt_argmax: list[int] | None
 
 
 class UnknownEOSError(ValueError):
@@ -489,19 +489,18 @@ class VLLMSession:
             [committed + paths[leaf] for leaf in leaves], prompt_logprobs=True
         )
         tokens = np.full(tree.num_nodes + 1, -1, dtype=np.int64)
-        logprobs = np.zeros(tree.num_nodes + 1, dtype=np.float64)
         context_len = len(committed)
         for leaf, choice in zip(leaves, choices, strict=True):
             tokens[leaf] = choice.token
-            logprobs[leaf] = choice.logprob if choice.logprob is not None else 0.0
             assert choice.prompt_argmax is not None
             # The ancestors of `leaf` at depth d (root at 0): their next token is the
             # argmax after prompt[: context_len + d], i.e. prompt_argmax[context_len + d].
             for depth, node_idx in enumerate([0, *tree.path(leaf)[:-1]]):
                 if tokens[node_idx] < 0:
-                    tokens[node_idx], logprobs[node_idx] = choice.prompt_argmax[context_len + depth]
+                    tokens[node_idx] = choice.prompt_argmax[context_len + depth]
         assert (tokens >= 0).all()
-        return Verification(tokens=tokens, logprobs=logprobs if self.want_logprobs else None)
+        # No log-probs: `check_options` refuses "paths" for requests that want them.
+        return Verification(tokens=tokens)
 
     def _body(self, prompt: Any, max_tokens: int) -> dict[str, Any]:
         body: dict[str, Any] = {
@@ -648,9 +647,8 @@ def _parse_choices(
     return [choice for choice in choices if choice is not None]
 
 
-def _prompt_argmax(entries: list[Any], prompt: list[int]) -> list[tuple[int, float]]:
-    """[len(prompt)]: at position p the argmax after prompt[:p] and its log-prob
-    ([0] is (-1, 0.0): no prefix).
+def _prompt_argmax(entries: list[Any], prompt: list[int]) -> list[int]:
+    """[len(prompt)]: at position p the argmax after prompt[:p] ([0] is -1: no prefix).
 
     With prompt_logprobs=1 vLLM returns, per position, the actual prompt token and the
     top-1 token, each with its rank (1 = best). The actual token may be ranked 1 too
@@ -659,15 +657,11 @@ def _prompt_argmax(entries: list[Any], prompt: list[int]) -> list[tuple[int, flo
     """
     if len(entries) != len(prompt):
         raise TargetError(f"vLLM returned {len(entries)} prompt logprobs for {len(prompt)} tokens")
-    argmax = [(-1, 0.0)]
+    argmax = [-1]
     for position in range(1, len(prompt)):
-        best = [
-            (int(token), float(info["logprob"]))
-            for token, info in entries[position].items()
-            if info["rank"] == 1
-        ]
+        best = [int(token) for token, info in entries[position].items() if info["rank"] == 1]
         if not best:
             raise TargetError(f"no rank-1 token in prompt logprobs at position {position}")
-        others = [entry for entry in best if entry[0] != prompt[position]]
+        others = [token for token in best if token != prompt[position]]
         argmax.append(others[0] if others else best[0])
     return argmax
