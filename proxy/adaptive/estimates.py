@@ -1,0 +1,234 @@
+"""What the adaptive policy measures while serving. Every estimate fades with one
+wall-clock half-life: evidence `age` seconds old weighs 2^(-age / HALF_LIFE_S), so after
+a change of load or of text the new evidence outweighs the old within seconds, and a
+side not measured for a while keeps its last value but counts as stale (`Fading.updated`).
+
+* `LinearCost` -- a latency linear in what a call asks for, a non-negative least-squares
+  fit over the recent calls (`nonnegative_ridge`): a verification call's
+  seconds = per_call + per_prompt * prompts + per_token * computed (prompts = tree
+  nodes + 1, the root; computed = tokens the target had not processed, summed over the
+  prompts), a plain stretch's seconds = opening + per_token * tokens.
+* `Fading` -- faded sums: a rate (tokens, seconds) or a mean (sum, count).
+* `Calibration` -- how often a drafted node is really accepted, per bin of the drafter's
+  own conditional probability of it.
+
+No HTTP, no models: numbers in, numbers out, on the clock they are given.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections import deque
+from collections.abc import Callable
+
+import numpy as np
+
+from proxy.tree import DraftTree
+
+Clock = Callable[[], float]
+
+# Seconds after which evidence weighs half: long enough to average many rounds or
+# stream events (a GPU round takes tens of ms), short enough to follow a change of
+# load or text within a few seconds. It is also the staleness bound of the policy.
+HALF_LIFE_S = 10.0
+# Ridge weight on the fit's scaled coefficients, per unit of evidence: it only decides
+# what the calls cannot (e.g. per-call vs per-prompt cost when every call had the same
+# size).
+RIDGE = 1e-3
+# Observations a fit keeps (at the decay above, older ones weigh nearly nothing on a
+# busy server; the cap bounds the work of one fit).
+MAX_CALLS = 256
+# Calibration bins over -log q, q the drafter's conditional probability of a node: bin
+# b holds q in (e^-(b+1)w, e^-bw]; 0.5 splits q = 1 .. 0.6 .. 0.37 .. 0.22 ...
+BIN_WIDTH = 0.5
+# The drafter's own probability counts as this many observations of its bin.
+PRIOR_WEIGHT = 2.0
+
+
+def decay(age_s: float) -> float:
+    """The weight of evidence `age_s` seconds old."""
+    return 2.0 ** (-age_s / HALF_LIFE_S)
+
+
+class Fading:
+    """Sums [size] that fade with the half-life; `updated` is the clock at the last add."""
+
+    def __init__(self, size: int, clock: Clock) -> None:
+        self._clock = clock
+        self._sums = np.zeros(size)
+        self._at: float | None = None  # the clock the sums are faded to
+        self.updated: float | None = None
+
+    def _fade_to(self, now: float) -> None:
+        if self._at is not None:
+            self._sums *= decay(now - self._at)
+        self._at = now
+
+    def add(self, *values: float) -> None:
+        now = self._clock()
+        self._fade_to(now)
+        self._sums += values
+        self.updated = now
+
+    def sums(self) -> np.ndarray:
+        self._fade_to(self._clock())
+        return self._sums.copy()
+
+    def ratio(self) -> float | None:
+        """sums[0] / sums[1] (a rate, or a mean), None before any positive denominator."""
+        numerator, denominator = self.sums()[:2]
+        return float(numerator / denominator) if denominator > 0 else None
+
+
+def nonnegative_ridge(rows: np.ndarray, weights: np.ndarray) -> np.ndarray:
+    """[k] non-negative coefficients minimizing the weighted squared error of
+    rows [n, k + 1] = (features..., seconds), on feature columns scaled to unit weighted
+    RMS, with RIDGE * sum(weights) on the squared scaled coefficients.
+
+    The least-squares problem with the ridge rows appended is solved exactly: its
+    non-negative optimum is the unconstrained optimum on some subset of the columns, so
+    every subset whose solution is non-negative is tried and the smallest residual kept
+    (eight subsets for three columns)."""
+    design, scale, target = ridge_system(rows, weights)
+    num_cols = design.shape[1]
+    best, best_residual = np.zeros(num_cols), float(np.sum(target**2))  # no column
+    for size in range(1, num_cols + 1):
+        for subset in itertools.combinations(range(num_cols), size):
+            cols = list(subset)
+            solved = np.linalg.lstsq(design[:, cols], target, rcond=None)[0]
+            if (solved < 0).any():
+                continue
+            residual = float(np.sum((design[:, cols] @ solved - target) ** 2))
+            if residual < best_residual:
+                best, best_residual = np.zeros(num_cols), residual
+                best[cols] = solved
+    return best / scale
+
+
+def ridge_system(rows: np.ndarray, weights: np.ndarray) -> tuple[np.ndarray, ...]:
+    """(design [n + k, k], column scale [k], target [n + k]) of `nonnegative_ridge`:
+    the weighted rows with scaled columns, then sqrt(RIDGE * sum(weights)) * I."""
+    num_cols = rows.shape[1] - 1
+    root = np.sqrt(weights)
+    x, y = rows[:, :num_cols] * root[:, None], rows[:, num_cols] * root
+    scale = np.sqrt(np.sum(x**2, axis=0) / np.sum(weights))
+    scale[scale == 0] = 1.0
+    ridge = math.sqrt(RIDGE * float(np.sum(weights))) * np.eye(num_cols)
+    return np.vstack([x / scale, ridge]), scale, np.concatenate([y, np.zeros(num_cols)])
+
+
+class LinearCost:
+    """seconds = coefficients . (1, features...), fitted over the recent observations
+    (`nonnegative_ridge`, each row weighted by its age's `decay`)."""
+
+    def __init__(self, num_features: int, clock: Clock) -> None:
+        self._clock = clock
+        self._num_cols = num_features + 1
+        self._rows: deque[tuple[float, ...]] = deque(maxlen=MAX_CALLS)  # (t, features, s)
+        self._theta: np.ndarray | None = None
+        self.updated: float | None = None
+
+    def observe(self, *features_and_seconds: float) -> None:
+        assert len(features_and_seconds) == self._num_cols, features_and_seconds
+        now = self._clock()
+        self._rows.append((now, *features_and_seconds))
+        self._theta = None
+        self.updated = now
+
+    @property
+    def num_rows(self) -> int:
+        return len(self._rows)
+
+    def coefficients(self) -> np.ndarray:
+        """[1 + features] seconds per unit of each; zeros before any observation.
+        (Fading scales every row's weight alike as time passes, so the fit changes only
+        when a row is added.)"""
+        if self._theta is None:
+            if not self._rows:
+                return np.zeros(self._num_cols)
+            data = np.asarray(self._rows)
+            rows = np.column_stack([np.ones(len(data)), data[:, 1:]])
+            weights = np.array([decay(data[-1, 0] - t) for t in data[:, 0]])
+            self._theta = nonnegative_ridge(rows, weights)
+        return self._theta
+
+    def seconds(self, *features: np.ndarray | float) -> np.ndarray:
+        theta = self.coefficients()
+        return theta[0] + sum(c * np.asarray(f) for c, f in zip(theta[1:], features, strict=True))
+
+
+def edge_log_probs(tree: DraftTree) -> np.ndarray:
+    """[num_nodes] the drafter's conditional log-probability of each node given its parent."""
+    return tree.path_log_probs[1:] - tree.path_log_probs[tree.parents[1:]]
+
+
+class Calibration:
+    """Acceptance of a drafted node by the target, learnt per *edge*: a node whose parent
+    was accepted (the root always is), with the drafter's conditional probability q of
+    its token. A node is accepted when every edge on its path is, so its calibrated
+    acceptance is the product of its edges' rates. (Whole-path calibration would give
+    every node of a sure n-gram chain one rate however deep.)"""
+
+    def __init__(self, clock: Clock) -> None:
+        self._clock = clock
+        self._accepted = np.zeros(0)  # [num_bins] faded counts
+        self._seen = np.zeros(0)
+        self._at: float | None = None
+
+    @staticmethod
+    def _bins(log_q: np.ndarray) -> np.ndarray:
+        return np.floor(np.maximum(-log_q, 0.0) / BIN_WIDTH).astype(np.int64)
+
+    def _fade_to_now(self) -> None:
+        now = self._clock()
+        if self._at is not None:
+            factor = decay(now - self._at)
+            self._accepted *= factor
+            self._seen *= factor
+        self._at = now
+
+    def edge_acceptance(self, log_q: np.ndarray) -> np.ndarray:
+        """[n] calibrated acceptance of edges with these conditional log-probs: the
+        drafter's own q, pulled towards the observed rate of its bin by the evidence."""
+        self._fade_to_now()
+        # A bin without evidence yet reads the appended zero.
+        bins = np.minimum(self._bins(log_q), len(self._seen))
+        accepted = np.append(self._accepted, 0.0)[bins]
+        seen = np.append(self._seen, 0.0)[bins]
+        return (accepted + PRIOR_WEIGHT * np.exp(log_q)) / (seen + PRIOR_WEIGHT)
+
+    def acceptance(self, tree: DraftTree) -> np.ndarray:
+        """[num_nodes] calibrated probability that each node of `tree` is accepted."""
+        edges = self.edge_acceptance(edge_log_probs(tree))
+        path = np.ones(tree.num_nodes + 1)
+        for node in range(1, tree.num_nodes + 1):  # parents precede children
+            path[node] = path[tree.parents[node]] * edges[node - 1]
+        return path[1:]
+
+    def observe(self, tree: DraftTree, accepted_nodes: list[int]) -> None:
+        """One walked tree and the nodes its walk accepted."""
+        if not tree.num_nodes:
+            return
+        self._fade_to_now()
+        accepted = np.zeros(tree.num_nodes + 1, dtype=bool)
+        accepted[0] = True
+        accepted[np.asarray(accepted_nodes, dtype=np.int64)] = True
+        reached = accepted[tree.parents[1:]]  # edges whose parent was accepted
+        bins = self._bins(edge_log_probs(tree))[reached]
+        if bins.size and bins.max() >= len(self._seen):
+            grow = int(bins.max()) + 1 - len(self._seen)
+            self._accepted = np.concatenate([self._accepted, np.zeros(grow)])
+            self._seen = np.concatenate([self._seen, np.zeros(grow)])
+        np.add.at(self._accepted, bins, accepted[1:][reached].astype(np.float64))
+        np.add.at(self._seen, bins, 1.0)
+
+    def table(self) -> list[tuple[float, float, float]]:
+        """(upper edge probability of the bin, observed acceptance, weight) per bin with
+        evidence."""
+        self._fade_to_now()
+        return [
+            (math.exp(-idx * BIN_WIDTH), float(self._accepted[idx] / weight), float(weight))
+            for idx, weight in enumerate(self._seen)
+            if weight > 0
+        ]

@@ -1,0 +1,333 @@
+"""The policy: at each step of a request, verify some of the drafted tree's nodes
+(`Speculate`) or let the target generate on its own (`Plain`). docs/POLICY.md states the
+rule with the numbers that decide it; in short:
+
+* speculation's rate for this request = the best, over n, of the expected tokens of the
+  tree's first n nodes (1 + their calibrated acceptance) over the round's predicted time
+  (the fitted call latency for n + 1 prompts plus the measured host time per round);
+* plain generation's rate = the tokens the request still needs over the fitted time of a
+  plain stretch that long (its opening counted unless a stream is already open);
+* a request changes side only when the other side is faster by BAND;
+* every estimate fades with one half-life (`estimates.HALF_LIFE_S`), and when one side's
+  estimate is a half-life older than the other's, one request re-measures it: a round of
+  the whole tree, or a plain stretch of SHADOW_EVERY tokens.
+
+Exceptions: a target that cannot generate plainly (engine mode) always speculates,
+choosing n (0: the root alone, one plain step); a seeded request is generated plainly in
+one call, since a switch would make its output depend on timing; before plain generation
+was ever measured, requests start plain (it is never slower than the target alone); after
+a plain stretch that broke (or gave nothing), one round follows (rounds are retried).
+
+While plain, the drafter proposes a tree every SHADOW_EVERY tokens: the policy decides
+on it, and if it stays plain, walks it along the tokens that come (a *shadow* round),
+which keeps the calibration current.
+
+The decoding loop asks `RequestPolicy.decide` before each step and tells
+`RequestPolicy.record` what happened; it keeps no policy state.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from proxy.adaptive.estimates import HALF_LIFE_S, Calibration, Clock, Fading, LinearCost
+from proxy.tree import DraftTree, walk
+
+# The other side must be this much faster (relative) before a request switches: rates
+# are predictions, and a switch costs (a stream to open, or an uncached tail to
+# recompute).
+BAND = 0.1
+# Plain tokens between two decisions while plain (each drafts a tree: a shadow), and the
+# length of a plain re-measurement: short enough to return to speculation soon, long
+# enough that a stream's opening is not all it measures.
+SHADOW_EVERY = 8
+
+logger = logging.getLogger("ddtree_proxy.policy")
+
+
+@dataclass(frozen=True)
+class Speculate:
+    """Verify the tree's first `num_nodes` nodes (0: the root alone)."""
+
+    num_nodes: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class Plain:
+    """Ask the target for up to `max_tokens` tokens of its own, streamed (closable, with
+    decisions on the way) or as one answer."""
+
+    max_tokens: int
+    stream: bool
+    # Tokens after which the loop drafts a tree and asks `decide` again (the stream
+    # stays open unless it says Speculate); None: not before this plain stretch ends.
+    recheck_after: int | None
+    reason: str
+
+
+Decision = Speculate | Plain
+
+
+@dataclass(frozen=True)
+class RoundResult:
+    """A verified round."""
+
+    tree: DraftTree  # what was verified
+    accepted_nodes: list[int]
+    num_tokens: int  # committed: accepted + the bonus token
+    seconds: float  # the whole round: draft, build, verify, walk
+    call_seconds: float  # of which the verification call(s)
+    num_prompts: int
+    computed_tokens: int  # tokens the target had not processed, summed over the prompts
+
+
+@dataclass(frozen=True)
+class PlainTokens:
+    """Plain tokens arrived (the end of `committed`)."""
+
+    committed: Sequence[int]  # the request's tokens so far, prompt included
+    stretch_tokens: int  # tokens this plain call has given so far
+    seconds: float  # since this plain call was sent
+    ended: bool  # the stretch is over (the stream ended or was closed, or the answer came)
+    failed: bool = False  # ... because the call failed (a round follows: rounds are retried)
+
+
+@dataclass(frozen=True)
+class Finished:
+    """The request has ended, however it ended."""
+
+
+Outcome = RoundResult | PlainTokens | Finished
+
+
+@dataclass(frozen=True)
+class _Shadow:
+    tree: DraftTree
+    start: int  # committed length when drafted (its root is committed[start - 1])
+
+
+class Policy:
+    """What the adaptive policy learns while serving, shared by the requests of one
+    target and drafter."""
+
+    def __init__(
+        self,
+        clock: Clock = time.monotonic,
+        trace: Callable[[dict[str, Any]], None] | None = None,
+    ) -> None:
+        self.clock = clock
+        self.trace = trace  # gets one record per decision
+        self.calls = LinearCost(2, clock)  # verification: (prompts, computed tokens) -> s
+        self.plain = LinearCost(1, clock)  # a plain stretch: (tokens) -> s
+        self.overhead = Fading(2, clock)  # host time per round outside the call: (s, n)
+        self.calibration = Calibration(clock)
+        self.decisions: Counter[tuple[str, str]] = Counter()  # (kind, reason)
+        self.prevailing: str = "plain"  # the side of the latest decision, for new requests
+        self._claimed = {"speculate": -float("inf"), "plain": -float("inf")}
+        self._next_request = 0
+
+    def request(self, *, can_plain: bool, seeded: bool, client_streams: bool) -> RequestPolicy:
+        """A request's decisions. `can_plain`: its target session generates plainly
+        (`TargetSession.plain`); `client_streams`: the client reads a stream."""
+        self._next_request += 1
+        return RequestPolicy(self, self._next_request, can_plain, seeded, client_streams)
+
+    # ----- the numbers ------------------------------------------------------------
+
+    def round_rates(self, tree: DraftTree, unseen_tokens: int) -> np.ndarray:
+        """[num_nodes + 1] predicted tokens per second of a round verifying the first n
+        nodes, n = 0 .. num_nodes (`unseen_tokens`: context per prompt the target has
+        not processed)."""
+        tokens = 1.0 + np.concatenate([[0.0], np.cumsum(self.calibration.acceptance(tree))])
+        num_prompts = np.arange(1, tree.num_nodes + 2)
+        path_tokens = np.concatenate([[0], np.cumsum(tree.depths[1:])])
+        seconds = self.calls.seconds(num_prompts, num_prompts * unseen_tokens + path_tokens)
+        seconds = seconds + (self.overhead.ratio() or 0.0)
+        with np.errstate(divide="ignore"):
+            return np.where(seconds > 0, tokens / seconds, np.inf)
+
+    def plain_rate(self, remaining: int, stream_open: bool) -> float:
+        """Predicted tokens per second of plain generation for `remaining` tokens."""
+        opening, per_token = self.plain.coefficients()
+        seconds = per_token * remaining + (0.0 if stream_open else opening)
+        return float(remaining / seconds) if seconds > 0 else float("inf")
+
+    def measured_at(self, side: str) -> float:
+        """When `side`'s estimate was last measured or a re-measurement claimed."""
+        updated = (self.calls if side == "speculate" else self.plain).updated
+        return max(self._claimed[side], -float("inf") if updated is None else updated)
+
+    def claim(self, side: str) -> bool:
+        """Is `side`'s estimate a half-life older than the other's? True for the one
+        caller who then re-measures it."""
+        other = "plain" if side == "speculate" else "speculate"
+        if self.measured_at(other) - self.measured_at(side) <= HALF_LIFE_S:
+            return False
+        self._claimed[side] = self.clock()
+        return True
+
+    def snapshot(self) -> dict[str, Any]:
+        per_call, per_prompt, per_token = self.calls.coefficients()
+        opening, plain_per_token = self.plain.coefficients()
+        return {
+            "call_s": float(per_call),
+            "call_per_prompt_s": float(per_prompt),
+            "call_per_token_s": float(per_token),
+            "round_overhead_s": float(self.overhead.ratio() or 0.0),
+            "plain_opening_s": float(opening),
+            "plain_per_token_s": float(plain_per_token),
+            "calibration": self.calibration.table(),
+            "decisions": dict(self.decisions),
+        }
+
+
+@dataclass
+class RequestPolicy:
+    """One request's decisions."""
+
+    policy: Policy
+    request_id: int
+    can_plain: bool
+    seeded: bool
+    client_streams: bool
+    side: str = ""  # "speculate" or "plain": where the request is now
+    _stream_open: bool = False
+    _plain_failed: bool = False
+    _num_remeasured: int = 0
+    _shadows: list[_Shadow] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.side = self.policy.prevailing
+
+    def decide(
+        self, tree: DraftTree, *, position: int, unseen_tokens: int, remaining: int
+    ) -> Decision:
+        """The next step, given the tree just drafted at the request's end (its root is
+        the last committed token, at `position` - 1), the context per prompt the target
+        has not processed, and the tokens the request may still produce."""
+        decision, numbers = self._decide(tree, unseen_tokens, remaining)
+        policy = self.policy
+        kind = "plain" if isinstance(decision, Plain) else "speculate"
+        policy.decisions[kind, decision.reason] += 1
+        if kind != self.side:
+            logger.debug("request %d: %s -> %s (%s) %s", self.request_id, self.side, kind,
+                         decision.reason, numbers)  # fmt: skip
+        self.side = policy.prevailing = kind
+        if isinstance(decision, Plain):
+            self._stream_open = decision.stream
+            if tree.num_nodes:
+                self._shadows.append(_Shadow(tree, position))
+        if policy.trace is not None:
+            policy.trace({"t": policy.clock(), "request": self.request_id, "decision": kind,
+                          "reason": decision.reason, "nodes": tree.num_nodes,
+                          "remaining": remaining, **numbers})  # fmt: skip
+        return decision
+
+    def _decide(
+        self, tree: DraftTree, unseen_tokens: int, remaining: int
+    ) -> tuple[Decision, dict[str, Any]]:
+        policy = self.policy
+        if not self.can_plain:
+            if policy.calls.num_rows == 0:
+                return Speculate(tree.num_nodes, "speculation_unmeasured"), {}
+            rates = policy.round_rates(tree, unseen_tokens)
+            best = int(np.argmax(rates))
+            return Speculate(best, "no_plain_generation"), {"spec_rate": float(rates[best])}
+        if self._plain_failed:
+            self._plain_failed = False
+            return Speculate(tree.num_nodes, "plain_failed"), {}
+        if self.seeded:
+            return Plain(remaining, self.client_streams, None, "seeded"), {}
+        if policy.plain.num_rows == 0:
+            return self._plain(remaining, "plain_unmeasured"), {}
+        ages = self._ages()
+        if policy.claim("speculate"):
+            self._num_remeasured += 1
+            # Alternately the whole tree and half of it: calls of two sizes tell the
+            # per-call cost from the per-prompt one.
+            nodes = tree.num_nodes if self._num_remeasured % 2 else tree.num_nodes // 2
+            return Speculate(nodes, "remeasure_speculation"), ages
+        if self.side == "speculate" and policy.claim("plain"):
+            plain = Plain(min(SHADOW_EVERY, remaining), True, None, "remeasure_plain")
+            return plain, ages
+        rates = policy.round_rates(tree, unseen_tokens)
+        best = int(np.argmax(rates))
+        spec_rate = float(rates[best])
+        plain_rate = policy.plain_rate(remaining, self._stream_open)
+        numbers = {"spec_rate": spec_rate, "plain_rate": plain_rate, "best_nodes": best}
+        if self.side == "speculate":
+            go_plain = plain_rate > (1 + BAND) * spec_rate
+        else:
+            go_plain = not spec_rate > (1 + BAND) * plain_rate
+        if go_plain:
+            return self._plain(remaining, "plain_faster"), numbers
+        return Speculate(best, "speculation_faster"), numbers
+
+    def _ages(self) -> dict[str, float]:
+        """How old each side's estimate is, s (None: never measured)."""
+        now = self.policy.clock()
+        ages = {side: now - self.policy.measured_at(side) for side in ("speculate", "plain")}
+        return {f"{side}_age_s": None if math.isinf(age) else age for side, age in ages.items()}
+
+    def _plain(self, remaining: int, reason: str) -> Plain:
+        if self._stream_open:  # the loop keeps the open stream
+            return Plain(remaining, True, SHADOW_EVERY, reason)
+        if not self.client_streams:
+            # One answer: it cannot be closed early, but costs the proxy host one event
+            # where a stream costs one per token.
+            return Plain(remaining, False, None, reason)
+        return Plain(remaining, True, SHADOW_EVERY, reason)
+
+    def record(self, outcome: Outcome) -> None:
+        policy = self.policy
+        if isinstance(outcome, RoundResult):
+            policy.calls.observe(
+                outcome.num_prompts, outcome.computed_tokens, outcome.call_seconds
+            )
+            policy.overhead.add(max(0.0, outcome.seconds - outcome.call_seconds), 1.0)
+            policy.calibration.observe(outcome.tree, outcome.accepted_nodes)
+        elif isinstance(outcome, PlainTokens):
+            self._walk_shadows(outcome.committed)
+            if outcome.ended:
+                self._stream_open = False
+                self._plain_failed = outcome.failed or outcome.stretch_tokens == 0
+                if not outcome.failed and outcome.stretch_tokens > 0 and outcome.seconds > 0:
+                    policy.plain.observe(outcome.stretch_tokens, outcome.seconds)
+        else:
+            self._shadows = []
+
+    def _walk_shadows(self, committed: Sequence[int]) -> None:
+        waiting = []
+        for shadow in self._shadows:
+            span = shadow.tree.max_depth + 1
+            if len(committed) < shadow.start + span:
+                waiting.append(shadow)
+                continue
+            actual = committed[shadow.start : shadow.start + span]
+            result = walk(shadow.tree, target_tokens_along(shadow.tree, actual))
+            self.policy.calibration.observe(shadow.tree, result.accepted_nodes)
+        self._shadows = waiting
+
+
+def target_tokens_along(tree: DraftTree, actual: Sequence[int]) -> np.ndarray:
+    """[num_nodes + 1] target tokens for walking `tree` along the tokens that really
+    followed its root (`actual`, up to max_depth + 1 of them): at each node on that path
+    the next actual token, elsewhere -1 (those nodes were never reached)."""
+    tokens = np.full(tree.num_nodes + 1, -1, dtype=np.int64)
+    node_idx = 0
+    for depth, token in enumerate(actual):
+        tokens[node_idx] = token
+        child = tree.children[node_idx].get(int(token))
+        if child is None or depth + 1 >= len(actual):
+            break
+        node_idx = child
+    return tokens

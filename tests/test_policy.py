@@ -1,0 +1,239 @@
+"""The adaptive policy through its interface: scripted costs, acceptance and clocks in,
+decisions out (proxy.adaptive.estimates, proxy.adaptive.policy). No test reads a private
+field or pins a trajectory; each states a behaviour the policy's doc promises."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from scipy.optimize import nnls
+
+from proxy.adaptive.estimates import (
+    HALF_LIFE_S,
+    Calibration,
+    LinearCost,
+    nonnegative_ridge,
+    ridge_system,
+)
+from proxy.adaptive.policy import (
+    BAND,
+    SHADOW_EVERY,
+    Finished,
+    Plain,
+    PlainTokens,
+    Policy,
+    RoundResult,
+    Speculate,
+)
+from proxy.tree import DraftDistribution, build_tree
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def tree_of(probs: list[list[float]], budget: int = 8, root: int = 1):
+    """A best-first tree from per-depth candidate probabilities (token ids 10*depth+rank)."""
+    depth = len(probs)
+    width = max(len(row) for row in probs)
+    tokens = np.array([[10 * (d + 1) + r for r in range(width)] for d in range(depth)])
+    logp = np.full((depth, width), -np.inf)
+    for d, row in enumerate(probs):
+        logp[d, : len(row)] = np.log(row)
+    return build_tree(root, DraftDistribution(tokens, logp), budget, depth)
+
+
+SURE_CHAIN = [[0.95, 0.03]] * 4  # a drafter that is right and knows it
+
+
+# ----- the fit ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_nonnegative_ridge_is_the_nnls_optimum_of_its_system(seed):
+    rng = np.random.default_rng(seed)
+    num = 40
+    prompts = rng.integers(1, 33, num)
+    tokens = prompts * rng.integers(1, 9, num) + rng.integers(0, 30, num)
+    # Some seeds make the per-prompt term negative in the unconstrained fit.
+    seconds = 0.01 + (0.002 if seed % 2 else -0.0005) * prompts + 1e-4 * tokens
+    seconds = seconds + rng.normal(0, 0.002, num)
+    rows = np.column_stack([np.ones(num), prompts, tokens, seconds])
+    weights = 2.0 ** -rng.uniform(0, 3, num)
+    design, scale, target = ridge_system(rows, weights)
+    expected = nnls(design, target)[0] / scale
+    np.testing.assert_allclose(nonnegative_ridge(rows, weights), expected, rtol=1e-6, atol=1e-12)
+    assert (nonnegative_ridge(rows, weights) >= 0).all()
+
+
+def test_call_cost_recovers_a_linear_latency_and_follows_a_change_of_load():
+    clock = Clock()
+    cost = LinearCost(2, clock)
+    def latency(num_prompts: int, new_tokens: int) -> float:
+        return 0.02 + 0.003 * num_prompts + 1e-4 * new_tokens
+
+    # Calls of several sizes, some with much new context (after plain generation).
+    calls = [(1, 1), (5, 20), (9, 300), (17, 60), (3, 900), (33, 120)]
+    for num_prompts, new_tokens in calls:
+        cost.observe(num_prompts, new_tokens, latency(num_prompts, new_tokens))
+        clock.now += 0.1
+    np.testing.assert_allclose(cost.coefficients(), [0.02, 0.003, 1e-4], rtol=0.05)
+    # Five half-lives later the load doubled every cost: new calls soon outweigh the old.
+    clock.now += 5 * HALF_LIFE_S
+    for num_prompts, new_tokens in calls[::-1]:
+        cost.observe(num_prompts, new_tokens, 2 * latency(num_prompts, new_tokens))
+        clock.now += 0.1
+    assert cost.seconds(9, 36) == pytest.approx(2 * latency(9, 36), rel=0.1)
+
+
+def test_calibration_moves_from_the_drafters_word_to_the_targets_and_back():
+    clock = Clock()
+    calibration = Calibration(clock)
+    tree = tree_of([[0.9]])  # one node the drafter gives 0.9
+    assert calibration.acceptance(tree)[0] == pytest.approx(0.9)
+    for _ in range(50):  # the target never takes it
+        calibration.observe(tree, [])
+    assert calibration.acceptance(tree)[0] < 0.1
+    clock.now += 20 * HALF_LIFE_S  # old evidence fades: the prior is back
+    assert calibration.acceptance(tree)[0] == pytest.approx(0.9, abs=0.01)
+
+
+# ----- decisions -------------------------------------------------------------------
+
+
+def measured(policy: Policy, clock: Clock, *, call_s: float, per_prompt_s: float,
+             plain_token_s: float, plain_open_s: float = 0.0) -> None:  # fmt: skip
+    """Rounds and plain stretches measured just now: calls of several sizes (the sure
+    chain accepted, as its drafter said), plain stretches of several lengths."""
+    request = policy.request(can_plain=True, seeded=False, client_streams=True)
+    tree = tree_of(SURE_CHAIN)
+    chain = [1, 2, 3, 4]  # its first four nodes: the rank-0 token at each depth
+    for num_prompts in (1, 5, 9):
+        request.record(RoundResult(tree, chain, 5, call_s + per_prompt_s * num_prompts,
+                             call_s + per_prompt_s * num_prompts, num_prompts, num_prompts))  # fmt: skip
+    for num_tokens in (8, 64):
+        request.record(PlainTokens([0] * num_tokens, num_tokens,
+                                   plain_open_s + plain_token_s * num_tokens, ended=True))  # fmt: skip
+    request.record(Finished())
+    clock.now += 0.01
+
+
+def decide(policy: Policy, tree=None, *, seeded=False, streams=True, remaining=64, new=1):
+    request = policy.request(can_plain=True, seeded=seeded, client_streams=streams)
+    return request.decide(tree or tree_of(SURE_CHAIN), position=100, unseen_tokens=new,
+                          remaining=remaining)  # fmt: skip
+
+
+def test_a_cold_start_is_plain_and_seeded_requests_stay_plain():
+    clock = Clock()
+    policy = Policy(clock=clock)
+    first = decide(policy)
+    assert isinstance(first, Plain) and first.max_tokens == 64
+    measured(policy, clock, call_s=0.001, per_prompt_s=0.0001, plain_token_s=0.02)
+    seeded = decide(policy, seeded=True, streams=False)
+    assert seeded == Plain(64, False, None, "seeded")
+
+
+def test_speculates_where_rounds_pay_and_steps_aside_where_they_do_not():
+    clock = Clock()
+    fast = Policy(clock=clock)  # rounds of 3-4 sure tokens at ~2 steps' cost
+    measured(fast, clock, call_s=0.02, per_prompt_s=0.001, plain_token_s=0.015)
+    assert isinstance(decide(fast), Speculate)
+    slow = Policy(clock=clock)  # a round costs ten plain tokens
+    measured(slow, clock, call_s=0.2, per_prompt_s=0.01, plain_token_s=0.02)
+    assert isinstance(decide(slow), Plain)
+    # A tree the drafter has no confidence in loses even where rounds are cheap.
+    assert isinstance(decide(fast, tree_of([[0.05, 0.04]] * 4)), Plain)
+
+
+def test_a_request_switches_only_past_the_band():
+    clock = Clock()
+    policy = Policy(clock=clock)
+    # One sure node per round, one step per round: speculation's rate ~2 tokens per
+    # round-time; plain's set to that rate times (1 + BAND/2), inside the band.
+    tree = tree_of([[0.999]], budget=1)
+    round_s = 0.02
+    spec_rate = (1 + 0.999) / (round_s + 0.002)
+    measured(policy, clock, call_s=round_s, per_prompt_s=0.001, plain_token_s=1 / (spec_rate * (1 + BAND / 2)))
+    request = policy.request(can_plain=True, seeded=False, client_streams=True)
+    kinds = [type(request.decide(tree, position=10, unseen_tokens=1, remaining=10_000)) for _ in range(3)]
+    assert len(set(kinds)) == 1  # no flapping inside the band, whichever side it starts on
+
+
+def test_engine_mode_sizes_the_tree_and_never_goes_plain():
+    clock = Clock()
+    policy = Policy(clock=clock)
+    request = policy.request(can_plain=False, seeded=False, client_streams=True)
+    first = request.decide(tree_of(SURE_CHAIN), position=5, unseen_tokens=1, remaining=64)
+    assert first == Speculate(tree_of(SURE_CHAIN).num_nodes, "speculation_unmeasured")
+    for num_prompts in (1, 3, 5, 9):  # each extra prompt nearly free
+        request.record(RoundResult(tree_of([[0.5]]), [], 1, 0.01 + 1e-4 * num_prompts,
+                             0.01 + 1e-4 * num_prompts, num_prompts, num_prompts))  # fmt: skip
+    sure = request.decide(tree_of(SURE_CHAIN), position=5, unseen_tokens=1, remaining=64)
+    # The four sure nodes (the chain), not their 3 % siblings: a node must return more
+    # tokens than its prompt costs at the round's rate.
+    assert sure == Speculate(4, "no_plain_generation")
+    # Each extra prompt costs as much as a whole round, and the drafter is never right:
+    for num_prompts in (1, 3, 5, 9):
+        request.record(RoundResult(tree_of([[0.5]]), [], 1, 0.01 * num_prompts, 0.01 * num_prompts,
+                             num_prompts, num_prompts))  # fmt: skip
+    hopeless = request.decide(tree_of([[0.01, 0.01]] * 4), position=5, unseen_tokens=1, remaining=64)
+    assert hopeless == Speculate(0, "no_plain_generation")
+
+
+def test_the_older_side_is_remeasured_by_one_request():
+    clock = Clock()
+    policy = Policy(clock=clock)
+    measured(policy, clock, call_s=0.2, per_prompt_s=0.01, plain_token_s=0.02)  # plain wins
+    clock.now += 2 * HALF_LIFE_S
+    request = policy.request(can_plain=True, seeded=False, client_streams=True)
+    request.record(PlainTokens([0] * 64, 64, 64 * 0.02, ended=True))  # plain measured now
+    claims = [decide(policy) for _ in range(4)]
+    remeasured = [d for d in claims if d.reason == "remeasure_speculation"]
+    assert len(remeasured) == 1 and isinstance(remeasured[0], Speculate)
+    assert all(isinstance(d, Plain) for d in claims if d.reason != "remeasure_speculation")
+    # The other way round: speculation measured lately, plain long ago -> a short stream.
+    clock2 = Clock()
+    other = Policy(clock=clock2)
+    measured(other, clock2, call_s=0.01, per_prompt_s=0.0001, plain_token_s=0.05)
+    clock2.now += 2 * HALF_LIFE_S
+    request = other.request(can_plain=True, seeded=False, client_streams=True)
+    request.record(RoundResult(tree_of(SURE_CHAIN), [1, 2], 3, 0.011, 0.0105, 5, 8))
+    assert isinstance(request.decide(tree_of(SURE_CHAIN), position=9, unseen_tokens=3, remaining=64),
+                      Speculate)  # fmt: skip
+    probe = request.decide(tree_of(SURE_CHAIN), position=12, unseen_tokens=3, remaining=64)
+    assert probe == Plain(SHADOW_EVERY, True, None, "remeasure_plain")
+
+
+def test_shadows_teach_the_calibration_while_plain():
+    clock = Clock()
+    policy = Policy(clock=clock)
+    measured(policy, clock, call_s=0.2, per_prompt_s=0.01, plain_token_s=0.02)
+    doubtful = tree_of([[0.3, 0.2]] * 4, root=7)
+    request = policy.request(can_plain=True, seeded=False, client_streams=True)
+    before = policy.calibration.acceptance(doubtful)[0]
+    for step in range(20):
+        position = 100 + 8 * step
+        decision = request.decide(doubtful, position=position, unseen_tokens=1, remaining=512)
+        assert isinstance(decision, Plain) and decision.recheck_after == SHADOW_EVERY
+        # The target always took the drafter's first guess at every depth.
+        committed = [0] * (position - 1) + [7, 10, 20, 30, 40, 5, 5, 5, 5]
+        request.record(PlainTokens(committed, 8 * (step + 1), 0.02 * 8 * (step + 1), ended=False))
+    assert policy.calibration.acceptance(doubtful)[0] > before + 0.2
+
+
+def test_every_decision_is_counted_and_traced():
+    clock = Clock()
+    records = []
+    policy = Policy(clock=clock, trace=records.append)
+    decide(policy)
+    measured(policy, clock, call_s=0.02, per_prompt_s=0.001, plain_token_s=0.02)
+    decide(policy)
+    assert policy.decisions[("plain", "plain_unmeasured")] == 1
+    assert sum(policy.decisions.values()) == len(records) == 2
+    assert {"t", "request", "decision", "reason", "remaining"} <= set(records[-1])
+    assert records[-1]["spec_rate"] > 0 and records[-1]["plain_rate"] > 0
