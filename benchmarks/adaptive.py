@@ -46,7 +46,7 @@ from benchmarks import servers, upstream
 from benchmarks.gpu_sim.roofline import PROFILES
 from benchmarks.gpu_sim.server import DEFAULT_PROFILE, late_share
 from benchmarks.run import DEFAULT_TARGET_DIR, load_prompts, machine_info
-from proxy.adaptive import AdaptiveState
+from proxy.adaptive.policy import Policy
 from proxy.backend.vllm import VLLMTarget
 from proxy.decoding import GenerationRequest, GenerationStats, TreeSettings, generate
 from proxy.drafter import load_drafter
@@ -116,7 +116,7 @@ async def _run_upstream(
                       model_dir=model_dir)  # fmt: skip
     drafter = load_drafter("ngram", info)
     target = await VLLMTarget.connect(url, model, model_dir=model_dir)
-    state = AdaptiveState()  # one per upstream, kept across cells, as in a server
+    state = Policy()  # one per upstream, kept across cells, as in a server
     trees = {
         "fixed": TreeSettings(budget=BUDGET, policy="fixed"),
         "adaptive": TreeSettings(budget=BUDGET, policy="adaptive"),
@@ -185,7 +185,7 @@ async def _run_upstream(
                         row["vs_fixed"] = float(np.median(rep["adaptive"][:num] / rep["fixed"]))
                     rows.append(row)
                     print(json.dumps(row), file=sys.stderr)
-        rows.append(upstream_row | {"cost_model": vars(state.costs.snapshot()),
+        rows.append(upstream_row | {"cost_model": state.snapshot(),
                                     "calibration": state.calibration.table()})  # fmt: skip
     finally:
         await target.aclose()

@@ -139,7 +139,7 @@ async def _generate(
             prompt_ids=prompt_ids, max_tokens=max_tokens, sampling=sampling, tree=settings.tree
         )
         return await generate(
-            runtime.target, runtime.drafter, request, runtime.detokenizer(), runtime.adaptive
+            runtime.target, runtime.drafter, request, runtime.detokenizer(), runtime.policy
         )
     finally:
         await runtime.aclose()
@@ -170,6 +170,7 @@ _SERVE_FLAGS: tuple[tuple[str, type, str], ...] = (
     ("--max-active", int, "generations served at once (64)"),
     ("--max-queue", int, "waiting requests before 429 (256)"),
     ("--max-body-bytes", int, "largest request body before 413 (4 MiB)"),
+    ("--policy-trace", str, "append one JSON line per policy decision to this file"),
 )
 
 

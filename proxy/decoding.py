@@ -11,7 +11,6 @@ knows nothing about HTTP or models: it sees a `Target` and a `Drafter`.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Literal
@@ -19,12 +18,20 @@ from typing import Any, AsyncIterator, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from proxy.adaptive import AdaptiveState, Controller
-from proxy.adaptive.controller import SHADOW_EVERY
-from proxy.backend.base import SessionOptions, Target, TargetError, TargetSession
-from proxy.drafter.base import Drafter, DraftError, DraftSession
+from proxy.adaptive.policy import (
+    Decision,
+    Finished,
+    Plain,
+    PlainTokens,
+    Policy,
+    RequestPolicy,
+    RoundResult,
+    Speculate,
+)
+from proxy.backend.base import PlainGeneration, SessionOptions, Target, TargetError
+from proxy.drafter.base import Drafter, DraftSession
 from proxy.output import WINDOW_TOKENS, Delta, Detokenize, OutputProcessor
-from proxy.round import RoundShape, RoundStats, draft_tree, speculate
+from proxy.round import RoundShape, RoundStats, draft, speculate
 from proxy.sampling import SamplingParams
 
 DEFAULT_DEPTH = 8  # used when the drafter has no block limit of its own
@@ -178,12 +185,15 @@ async def stream_generate(
     drafter: Drafter | None,
     request: GenerationRequest,
     detokenize: Detokenize,
-    adaptive: AdaptiveState | None = None,
+    policy: Policy | None = None,
 ) -> AsyncIterator[Delta]:
-    """Yield the output round by round; the last Delta carries the finish reason.
+    """Yield the output step by step; the last Delta carries the finish reason.
 
-    `adaptive`: what the adaptive policy has learnt (shared by a runtime's requests);
-    without it, or with policy "fixed", every round verifies the full budget."""
+    Each step drafts a tree at the end of the committed tokens; the policy (shared by a
+    runtime's requests) decides to verify some of its nodes (a round) or to let the
+    target generate on its own (plain generation, while a plain stream is open it
+    decides every few tokens). Without a policy, or with policy "fixed", every round
+    verifies the whole tree."""
     settings = request.tree
     use_drafter = settings.kind != "none"
     if use_drafter and drafter is None:
@@ -213,48 +223,75 @@ async def stream_generate(
         sampling_fields=request.sampling_fields,
     )
     session = await target.start(request.prompt_ids, options)
-    controller: Controller | None = None
+    decisions: RequestPolicy | None = None
+    if policy is not None and use_drafter and settings.policy == "adaptive":
+        decisions = policy.request(
+            can_plain=session.plain is not None,
+            seeded=request.sampling.seed is not None,
+            client_streams=request.stream,
+        )
+    stretch: _PlainStretch | None = None
     try:
-        if adaptive is not None and use_drafter and settings.policy == "adaptive":
-            controller = adaptive.controller(
-                can_stream=session.plain is not None, seeded=request.sampling.seed is not None
-            )
-            controller.start()  # `finish` below balances it
         draft_session = (
             drafter.start(request.prompt_ids, session.prompt_features) if use_drafter else None
         )
         committed = list(request.prompt_ids)
-        unseen_tokens = len(committed)  # context the target has not seen yet
-        reported = (0, 0)  # the controller's switch counts already reported
+        unseen_tokens = len(committed)  # context the target has not processed yet
+        last_kind = None  # the previous step's kind, to count switches
         while output.finish_reason is None:
-            depth = min(max_depth, output.remaining - 1, target.max_model_len - len(committed) - 1)
+            room = target.max_model_len - len(committed)
+            depth = min(max_depth, output.remaining - 1, room - 1)
             shape = RoundShape(kind=settings.kind, budget=settings.budget, depth=depth)
-            if controller is not None and controller.next_is_plain():
-                assert adaptive is not None and draft_session is not None
-                chunk = _plain_stream(
-                    session, draft_session, committed, output, controller, adaptive, shape,
-                    target.max_model_len, request.stream, opening=len(committed) == unseen_tokens,
-                    per_event=request.stream and not request.remote_text,
-                )  # fmt: skip
-                async for delta in chunk:
-                    yield delta
-                unseen_tokens = 1  # the stream left the target's cache holding the context
-                continue
-            choose = None
-            if controller is not None:
-                choose = functools.partial(controller.choose_nodes, new_tokens=unseen_tokens)
-            done = await speculate(session, draft_session, committed, shape, choose)
-            stats = done.stats
-            if controller is not None and adaptive is not None:
-                _learn(controller, adaptive, done, unseen_tokens)
-                counts = (controller.num_switches_to_plain, controller.num_switches_to_speculation)
-                stats = dataclasses.replace(
-                    stats,
-                    switches_to_plain=counts[0] - reported[0],
-                    switches_to_speculation=counts[1] - reported[1],
+            drafted = await draft(draft_session, committed, shape)
+            decision: Decision = Speculate(drafted.tree.num_nodes, "fixed")
+            if decisions is not None:
+                decision = decisions.decide(
+                    drafted.tree,
+                    position=len(committed),
+                    unseen_tokens=unseen_tokens,
+                    remaining=output.remaining,
                 )
-                reported = counts
+            if isinstance(decision, Plain):
+                assert session.plain is not None and decisions is not None
+                if stretch is None:
+                    max_tokens = min(decision.max_tokens, room)
+                    stretch = _PlainStretch(session.plain, committed, max_tokens, decision.stream)
+                pieces = stretch.read(
+                    decision.recheck_after, committed, draft_session, output, decisions,
+                    per_event=request.stream and not request.remote_text,
+                    max_model_len=target.max_model_len,
+                    switched=last_kind == "speculative",
+                )  # fmt: skip
+                async for delta in pieces:
+                    yield delta
+                last_kind = "plain"
+                if stretch.ended:
+                    stretch = None
+                unseen_tokens = 1  # the stream left the target holding the context
+                continue
+            if stretch is not None:
+                await stretch.close(committed, decisions)
+                stretch = None
+            done = await speculate(session, draft_session, committed, drafted, decision.num_nodes)
+            if decisions is not None:
+                tree, stats = done.tree, done.stats
+                num_prompts = tree.num_nodes + 1
+                decisions.record(
+                    RoundResult(
+                        tree=tree,
+                        accepted_nodes=done.accepted_nodes,
+                        num_tokens=len(done.tokens),
+                        seconds=stats.draft_s + stats.tree_s + stats.verify_s,
+                        call_seconds=stats.verify_s,
+                        num_prompts=num_prompts,
+                        computed_tokens=num_prompts * unseen_tokens + int(tree.depths.sum()),
+                    )
+                )
             unseen_tokens = len(done.tokens)
+            stats = done.stats
+            if last_kind == "plain":
+                stats = dataclasses.replace(stats, switches_to_speculation=1)
+            last_kind = "speculative"
             yield await output.add(
                 done.tokens,
                 done.logprobs,
@@ -262,134 +299,126 @@ async def stream_generate(
                 stats=stats,
             )
     finally:
-        if controller is not None:
-            controller.finish()
+        if stretch is not None:
+            await stretch.close(committed, decisions)
+        if decisions is not None:
+            decisions.record(Finished())
         await session.aclose()
 
 
-def _learn(controller: Controller, adaptive: AdaptiveState, done, unseen_tokens: int) -> None:
-    """Feed a verified round to the calibration and the cost model."""
-    tree, stats = done.tree, done.stats
-    controller.observe_round(tree, done.accepted_nodes)
-    num_prompts = tree.num_nodes + 1
-    adaptive.costs.observe_call(
-        num_prompts, num_prompts * unseen_tokens + int(tree.depths.sum()), stats.verify_s
-    )
-    overhead = stats.draft_s + stats.tree_s
-    adaptive.costs.observe_round(len(done.tokens), overhead + stats.verify_s, overhead)
-    controller.observe_rate(len(done.tokens), overhead + stats.verify_s)
+class _PlainStretch:
+    """One plain-generation call (a stream, or one answer) and what it has given."""
 
+    def __init__(
+        self, plain: PlainGeneration, committed: list[int], max_tokens: int, stream: bool
+    ) -> None:
+        self.events = plain(list(committed), max_tokens, stream=stream)
+        self.sent = time.perf_counter()
+        self.num_tokens = 0
+        self.ended = False
+        self.failed = False
+        self._unreported = (1, len(committed))  # (calls, prompt tokens) not yet in stats
 
-async def _plain_stream(
-    session: TargetSession,
-    draft_session: DraftSession,
-    committed: list[int],
-    output: OutputProcessor,
-    controller: Controller,
-    adaptive: AdaptiveState,
-    shape: RoundShape,
-    max_model_len: int,
-    streaming: bool,
-    opening: bool,
-    per_event: bool,
-) -> AsyncIterator[Delta]:
-    """Plain generation from the target until the output ends or the controller closes
-    the stream; shadow rounds (trees the drafter proposes on the way, walked once the
-    tokens they predict arrive) tell the controller when speculation pays again.
-
-    The target streams even when the client does not (`streaming` False): a stream can
-    be closed the moment speculation pays again, where one answer could not (measured
-    on vLLM-CPU, 96 tokens per request: 1.7 % slower at 1 client, no difference at 4).
-    For such a client, events are passed on in pieces of `SHADOW_EVERY` tokens at least
-    (fewer detokenizations; stops are found within a piece all the same) -- and where
-    the stretch would not be closed anyway, it comes as one answer
-    (`Controller.plain_in_one_answer`).
-
-    `opening`: the request's first call (the target has not seen the prompt): its time
-    holds the prompt's prefill, which speculation's first round pays as well (see
-    `CostModel.observe_plain`). `per_event`: pass each event on as it comes (a
-    streaming client whose text is decoded locally); else in pieces."""
-    one_answer = controller.plain_in_one_answer(streaming)
-    num_tokens = controller.plain_length(
-        min(output.remaining, max_model_len - len(committed)), one_answer
-    )
-    started = last = piece_start = time.perf_counter()
-    received = 0
-    since_shadow = controller.shadow_every  # a shadow right at the start
-    calls, sent = 1, len(committed)  # the stream's call and prompt, with its first piece
-    pending: list[int] = []
-    pending_logprobs: list[float] = []
-    assert session.plain is not None  # the controller goes plain only where it can
-    stream = session.plain(list(committed), num_tokens, stream=not one_answer)
-    try:
-        while True:
-            if since_shadow >= controller.shadow_every and shape.depth >= 1 and not one_answer:
-                await _add_shadow(draft_session, committed, controller, shape, since_shadow)
-                since_shadow = 0
-            tokens: list[int] = []
-            ended = leave = False
+    async def read(
+        self,
+        recheck_after: int | None,
+        committed: list[int],
+        draft_session: DraftSession | None,
+        output: OutputProcessor,
+        decisions: RequestPolicy,
+        *,
+        per_event: bool,
+        max_model_len: int,
+        switched: bool,
+    ) -> AsyncIterator[Delta]:
+        """Tokens until `recheck_after` more have come (None: until the call ends) or the
+        output finishes, appended to `committed` and handed to the output processor:
+        event by event when `per_event` (a streaming client whose text is decoded
+        here), else in one piece (fewer detokenizations)."""
+        started = last = time.perf_counter()
+        got = 0
+        pending: list[int] = []
+        pending_logprobs: list[float] = []
+        while not self.ended and (recheck_after is None or got < recheck_after):
             try:
-                tokens, logprobs = await anext(stream)
+                tokens, logprobs = await anext(self.events)
             except StopAsyncIteration:
-                ended = True
+                tokens, logprobs = [], None
+                self.ended = True
             except TargetError:
-                # Plain generation that broke (a stream cannot be resumed as it was), but
-                # every token so far is the target's: go on with verification rounds,
-                # which are retried (and fail the request only if the upstream keeps
-                # failing).
-                controller.stop_plain()
-                ended = True
-            now = time.perf_counter()
+                # A plain call that broke cannot be resumed as it was, but every token
+                # so far is the target's: the policy goes on with a round, which is
+                # retried (and fails the request only if the upstream keeps failing).
+                tokens, logprobs = [], None
+                self.ended = self.failed = True
             if tokens:
-                received += len(tokens)
-                last = now
+                got += len(tokens)
+                self.num_tokens += len(tokens)
                 committed.extend(tokens)
-                draft_session.advance(committed, None)
-                leave = controller.observe_plain_tokens(committed, len(tokens))
-                since_shadow += len(tokens)
+                if draft_session is not None:
+                    draft_session.advance(committed, None)
                 pending.extend(tokens)
                 pending_logprobs.extend(logprobs or ())
-            if pending and (per_event or ended or leave or len(pending) >= SHADOW_EVERY):
-                stats = RoundStats(
-                    num_tokens=len(pending),
-                    num_nodes=0,
-                    draft_s=0.0,
-                    tree_s=0.0,
-                    verify_s=now - piece_start,
-                    upstream_calls=calls,
-                    verify_prompt_tokens=sent,
-                    kind="plain",
-                )
-                calls, sent, piece_start = 0, 0, now
-                delta = await output.add(
-                    pending,
-                    pending_logprobs if output.want_logprobs else None,
-                    at_context_limit=len(committed) >= max_model_len,
-                    stats=stats,
-                )
+                last = time.perf_counter()
+            decisions.record(self._progress(committed))
+            flush = per_event or self.ended or (recheck_after is not None and got >= recheck_after)
+            if pending and flush:
+                yield await self._piece(
+                    pending, pending_logprobs, output, last - started, max_model_len,
+                    committed, switched,
+                )  # fmt: skip
+                switched = False
+                started = last
                 pending, pending_logprobs = [], []
-                yield delta
                 if output.finish_reason is not None:
-                    break
-            if ended or leave:
-                break
-    finally:
-        await stream.aclose()
-    adaptive.costs.observe_plain(received, last - started, resumed=not opening)
+                    return
 
+    def _progress(self, committed: list[int]) -> PlainTokens:
+        return PlainTokens(
+            committed=committed,
+            stretch_tokens=self.num_tokens,
+            seconds=time.perf_counter() - self.sent,
+            ended=self.ended,
+            failed=self.failed,
+        )
 
-async def _add_shadow(
-    draft_session: DraftSession,
-    committed: list[int],
-    controller: Controller,
-    shape: RoundShape,
-    unseen_tokens: int,
-) -> None:
-    try:
-        tree, _ = await draft_tree(draft_session, committed, shape)
-    except DraftError:
-        return  # no shadow this time: the drafter reports its own failures
-    controller.add_shadow(tree, len(committed), unseen_tokens)
+    async def _piece(
+        self,
+        tokens: list[int],
+        logprobs: list[float],
+        output: OutputProcessor,
+        seconds: float,
+        max_model_len: int,
+        committed: list[int],
+        switched: bool,
+    ) -> Delta:
+        calls, sent = self._unreported
+        self._unreported = (0, 0)
+        stats = RoundStats(
+            num_tokens=len(tokens),
+            num_nodes=0,
+            draft_s=0.0,
+            tree_s=0.0,
+            verify_s=seconds,
+            upstream_calls=calls,
+            verify_prompt_tokens=sent,
+            kind="plain",
+            switches_to_plain=int(switched),
+        )
+        return await output.add(
+            tokens,
+            logprobs if output.want_logprobs else None,
+            at_context_limit=len(committed) >= max_model_len,
+            stats=stats,
+        )
+
+    async def close(self, committed: list[int], decisions: RequestPolicy | None) -> None:
+        """End the call (vLLM aborts a closed stream) and report the stretch."""
+        await self.events.aclose()
+        if not self.ended:
+            self.ended = True
+            if decisions is not None:
+                decisions.record(self._progress(committed))
 
 
 async def generate(
@@ -397,7 +426,7 @@ async def generate(
     drafter: Drafter | None,
     request: GenerationRequest,
     detokenize: Detokenize,
-    adaptive: AdaptiveState | None = None,
+    policy: Policy | None = None,
 ) -> GenerationResult:
     """Run a generation to the end and collect it."""
     stats = GenerationStats()
@@ -405,7 +434,7 @@ async def generate(
     logprobs: list[float] | None = [] if request.logprobs else None
     text = ""
     finish, stop_reason = "length", None
-    async for delta in stream_generate(target, drafter, request, detokenize, adaptive):
+    async for delta in stream_generate(target, drafter, request, detokenize, policy):
         stats.add(delta.round)
         token_ids.extend(delta.token_ids)
         text += delta.text

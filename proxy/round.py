@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable, Literal
+from typing import Literal
 
 import numpy as np
 
@@ -69,51 +69,58 @@ def root_only(root_token: int) -> DraftTree:
     )
 
 
-async def draft_tree(
-    draft_session: DraftSession, committed: list[int], shape: RoundShape
-) -> tuple[DraftTree, float]:
-    """The tree of this round's shape the drafter proposes after `committed` (whose last
-    token is the root), and the seconds the drafter took (the rest is the build).
-    Raises DraftError when the draft cannot be had."""
+@dataclass(frozen=True)
+class Drafted:
+    """A step's tree: drafted and built at the step's full shape."""
+
+    tree: DraftTree  # the root alone when nothing was drafted
+    draft_s: float  # the drafter's time
+    tree_s: float  # building the tree
+    draft_calls: int  # calls to a draft server (served drafters)
+    draft_error: str | None = None  # DraftError kind when the drafter failed
+
+
+async def draft(
+    draft_session: DraftSession | None, committed: list[int], shape: RoundShape
+) -> Drafted:
+    """The tree of this step's shape after `committed` (whose last token is the root):
+    the root alone when there is no drafter or no depth, or when the drafter fails
+    (`DraftError`: its server is down or slow; the request goes on)."""
+    root = committed[-1]
+    if draft_session is None or shape.depth < 1 or shape.kind == "none":
+        return Drafted(root_only(root), 0.0, 0.0, 0)
+    calls_before = draft_session.draft_calls
     chain = shape.kind == "chain"
-    top_k = 1 if chain else shape.budget
     start = time.perf_counter()
-    dist = await draft_session.propose(committed, shape.depth, top_k)
-    draft_s = time.perf_counter() - start
+    try:
+        dist = await draft_session.propose(committed, shape.depth, 1 if chain else shape.budget)
+    except DraftError as exc:
+        seconds = time.perf_counter() - start
+        calls = draft_session.draft_calls - calls_before
+        return Drafted(root_only(root), seconds, 0.0, calls, exc.kind)
+    drafted = time.perf_counter()
     if chain:
-        return build_chain(committed[-1], dist, shape.depth), draft_s
-    return build_tree(committed[-1], dist, shape.budget, shape.depth), draft_s
+        tree = build_chain(root, dist, shape.depth)
+    else:
+        tree = build_tree(root, dist, shape.budget, shape.depth)
+    calls = draft_session.draft_calls - calls_before
+    return Drafted(tree, drafted - start, time.perf_counter() - drafted, calls)
 
 
 async def speculate(
     session: TargetSession,
     draft_session: DraftSession | None,
     committed: list[int],
-    shape: RoundShape,
-    choose: Callable[[DraftTree], int] | None = None,
+    drafted: Drafted,
+    num_nodes: int,
 ) -> Round:
-    """Run one round and append its tokens to `committed` (whose last token is the root).
-
-    `choose`, when given, says how many of the built tree's nodes to verify (the tree
-    is built at the full budget; its first n nodes are the budget-n tree)."""
+    """Verify the drafted tree's first `num_nodes` nodes (a best-first tree's prefix is
+    the tree a budget of `num_nodes` would have built), walk it, and append the round's
+    tokens to `committed` (whose last token is the root)."""
     calls_before = session.counters.upstream_calls
     tokens_before = session.counters.verify_prompt_tokens
-    root = committed[-1]
-    draft_calls_before = draft_session.draft_calls if draft_session is not None else 0
-    draft_error = None
+    tree = drafted.tree.prefix(num_nodes)
     start = time.perf_counter()
-    draft_s = 0.0
-    tree = root_only(root)
-    if shape.depth >= 1 and draft_session is not None and shape.kind != "none":
-        try:
-            tree, draft_s = await draft_tree(draft_session, committed, shape)
-        except DraftError as exc:
-            draft_error = exc.kind  # plain decoding this round; the drafter reports it
-            draft_s = time.perf_counter() - start
-        if choose is not None and draft_error is None:
-            tree = tree.prefix(choose(tree))
-    built = time.perf_counter()
-
     verification = await session.verify(committed, tree)
     result = walk(tree, verification.tokens)
     features = await session.accept(tree, result)
@@ -129,14 +136,13 @@ async def speculate(
     stats = RoundStats(
         num_tokens=result.acceptance_length,
         num_nodes=tree.num_nodes,
-        draft_s=draft_s,
-        tree_s=built - start - draft_s,
-        verify_s=verified - built,
+        draft_s=drafted.draft_s,
+        tree_s=drafted.tree_s,
+        verify_s=verified - start,
         upstream_calls=session.counters.upstream_calls - calls_before,
         verify_prompt_tokens=session.counters.verify_prompt_tokens - tokens_before,
-        draft_calls=(draft_session.draft_calls if draft_session is not None else 0)
-        - draft_calls_before,
-        draft_error=draft_error,
+        draft_calls=drafted.draft_calls,
+        draft_error=drafted.draft_error,
     )
     return Round(
         tokens=list(round_tokens),

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import httpx
 
-from proxy.adaptive import AdaptiveState
+from proxy.adaptive.policy import Policy
 from proxy.backend.base import Target, TargetError
 from proxy.backend.vllm import RetryPolicy, UnknownEOSError, VLLMHttp, VLLMTarget
 from proxy.backend.vllm_tokens import VLLMTokens
@@ -77,9 +77,10 @@ class Runtime:
     # Text is decoded by the server, one HTTP call per decode (no tokenizer file here).
     remote_text: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
-    # What the adaptive policy learns while serving (costs, drafter calibration).
-    adaptive: AdaptiveState = field(default_factory=AdaptiveState)
+    # The adaptive policy: what it learns while serving (costs, drafter calibration).
+    policy: Policy = field(default_factory=Policy)
     restore_torch_threads: int | None = None  # torch's thread count before we set ours
+    trace: TraceFile | None = None  # where the policy's decisions go (--policy-trace)
 
     @property
     def mode(self) -> Mode:
@@ -121,9 +122,30 @@ class Runtime:
         await self.target.aclose()
         if self.drafter is not None:
             await self.drafter.aclose()
+        if self.trace is not None:
+            self.trace.close()
+            self.trace = None
         if self.restore_torch_threads is not None:
             _torch().set_num_threads(self.restore_torch_threads)
             self.restore_torch_threads = None
+
+
+class TraceFile:
+    """JSON lines appended to a file, one per record, flushed as they come (a trace can
+    be read while the server runs)."""
+
+    def __init__(self, path: Path) -> None:
+        try:
+            self._file = path.open("a", encoding="utf-8")
+        except OSError as exc:
+            raise ValueError(f"cannot write the policy trace {path}: {exc}") from exc
+
+    def write(self, record: dict[str, Any]) -> None:
+        self._file.write(json.dumps(record, default=float) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
 
 
 def _torch():
@@ -143,6 +165,9 @@ async def build_runtime(
         runtime = await _build_proxy(settings, transport)
     else:
         runtime = await asyncio.to_thread(_build_engine, settings)
+    if settings.policy_trace is not None:
+        runtime.trace = TraceFile(Path(settings.policy_trace))
+        runtime.policy.trace = runtime.trace.write
     threads = settings.torch_threads or (1 if settings.proxy_mode else None)
     # Only in-process models use torch; a proxy with the ngram drafter never imports it.
     if threads is not None and "torch" in sys.modules:

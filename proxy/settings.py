@@ -52,6 +52,11 @@ class RuntimeSettings(BaseModel):
         0.05, ge=0, description="first retry's backoff, seconds; doubles per retry, jittered"
     )
     max_retry_backoff: float = Field(1.0, ge=0, description="cap on one retry's backoff, seconds")
+    policy_trace: str | None = Field(
+        None,
+        description="a file the adaptive policy appends one JSON line per decision to "
+        "(docs/POLICY.md says how to read it)",
+    )
     device: str | None = Field(
         None, description="in-process models: auto (cuda if present, else cpu), cpu, cuda[:N]"
     )
@@ -79,7 +84,7 @@ class RuntimeSettings(BaseModel):
     def _auto_when_empty(cls, value: str) -> str:
         return value or "auto"
 
-    @field_validator("upstream_api_key", "model", "tokenizer", "drafter", "target")
+    @field_validator("upstream_api_key", "model", "tokenizer", "drafter", "target", "policy_trace")
     @classmethod
     def _empty_is_none(cls, value: str | None) -> str | None:
         return value or None

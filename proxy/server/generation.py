@@ -50,7 +50,7 @@ class Responder:
             runtime.drafter,
             plan.generation,
             runtime.detokenizer(plan.skip_special_tokens),
-            runtime.adaptive,
+            runtime.policy,
         )
         try:
             async for delta in generation:

@@ -34,7 +34,12 @@ from proxy.runtime import Runtime, build_runtime
 from proxy.server.admission import Admission
 from proxy.server.errors import RequestError, upstream_error
 from proxy.server.generation import Responder
-from proxy.server.metrics import DrafterCollector, ServerMetrics, UpstreamCallsCollector
+from proxy.server.metrics import (
+    DrafterCollector,
+    PolicyCollector,
+    ServerMetrics,
+    UpstreamCallsCollector,
+)
 from proxy.server.passthrough import relay
 from proxy.server.plan import opted_out, plan_request
 from proxy.server.request_models import REQUEST_MODELS, Endpoint
@@ -61,6 +66,7 @@ class Handlers:
         if self._runtime is None:
             self._runtime = await build_runtime(self.settings, transport)
             self._owns_runtime = True
+        self.metrics.registry.register(PolicyCollector(self._runtime.policy))
         drafter = self._runtime.drafter
         if drafter is not None and drafter.counters() is not None:
             # A served drafter counts its own calls and failures.
@@ -255,9 +261,6 @@ class Handlers:
         return JSONResponse(body, status_code=200 if healthy else 503)
 
     def metrics_text(self) -> Response:
-        if self._runtime is not None:
-            adaptive = self._runtime.adaptive
-            self.metrics.set_adaptive(adaptive.costs.snapshot(), adaptive.calibration.table())
         return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 

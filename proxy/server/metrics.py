@@ -5,9 +5,9 @@ from __future__ import annotations
 from typing import Any, Callable, Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from proxy.adaptive.costs import CostSnapshot
+from proxy.adaptive.policy import Policy
 from proxy.round import RoundStats
 
 _LATENCY_BUCKETS = (
@@ -127,24 +127,6 @@ class ServerMetrics:
             buckets=(0, 1, 2, 4, 8, 16, 32, 64, 128, 256),
             registry=registry,
         )
-        self.cost = Gauge(
-            "ddtree_cost_model",
-            "The online cost model: verification call = per_call_s + per_prompt_s * prompts "
-            "+ per_token_s * new tokens; plain generation = plain_token_s per token (a "
-            "resumed stream's set-up included); round_overhead_s = drafting + tree building; "
-            "round_rate = tokens/s of rounds over many; num_load_changes = rounds far slower "
-            "than predicted",
-            ["parameter"],
-            registry=registry,
-        )
-        self.calibration = Gauge(
-            "ddtree_drafter_calibration",
-            "The drafter's calibration: observed acceptance of a drafted token whose "
-            "conditional draft probability is at most edge_probability (and above the next "
-            "bin's), from verified and shadow rounds",
-            ["edge_probability"],
-            registry=registry,
-        )
         self.active = Gauge(
             "ddtree_active_requests", "Generation requests being served", registry=registry
         )
@@ -168,15 +150,45 @@ class ServerMetrics:
         self.draft_seconds.observe(stats.draft_s + stats.tree_s)
         self.verify_seconds.observe(stats.verify_s)
 
-    def set_adaptive(
-        self, costs: CostSnapshot, calibration: list[tuple[float, float, float]]
-    ) -> None:
-        """What the adaptive policy has learnt: the cost model and the calibration table."""
-        for name, value in vars(costs).items():
-            if value is not None:
-                self.cost.labels(name).set(value)
-        for upper, rate, _weight in calibration:
-            self.calibration.labels(f"{upper:.3g}").set(rate)
+class PolicyCollector:
+    """What the adaptive policy (`proxy.adaptive.policy.Policy`) has decided and learnt,
+    read at scrape time: decisions by kind and reason, its estimates, the calibration."""
+
+    def __init__(self, policy: Policy):
+        self._policy = policy
+
+    def collect(self) -> Iterator[Metric]:
+        snapshot = self._policy.snapshot()
+        decisions = CounterMetricFamily(
+            "ddtree_policy_decisions",
+            "Adaptive policy decisions, by decision (speculate, plain) and reason",
+            labels=["decision", "reason"],
+        )
+        for (kind, reason), count in sorted(snapshot["decisions"].items()):
+            decisions.add_metric([kind, reason], count)
+        yield decisions
+        estimates = GaugeMetricFamily(
+            "ddtree_policy_estimate",
+            "The policy's estimates (seconds): verification call = call_s + "
+            "call_per_prompt_s * prompts + call_per_token_s * computed tokens; round_overhead_s "
+            "= host time per round outside the call; plain stretch = plain_opening_s + "
+            "plain_per_token_s * tokens",
+            labels=["name"],
+        )
+        for name, value in snapshot.items():
+            if isinstance(value, float):
+                estimates.add_metric([name], value)
+        yield estimates
+        calibration = GaugeMetricFamily(
+            "ddtree_drafter_calibration",
+            "The drafter's calibration: observed acceptance of a drafted token whose "
+            "conditional draft probability is at most edge_probability (and above the next "
+            "bin's), from verified and shadow rounds",
+            labels=["edge_probability"],
+        )
+        for upper, rate, _weight in snapshot["calibration"]:
+            calibration.add_metric([f"{upper:.3g}"], rate)
+        yield calibration
 
 
 class DrafterCollector:
