@@ -214,7 +214,9 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoTokenizer
 
     model_dir = DEFAULT_TARGET_DIR
-    texts, _ = load_prompts(AutoTokenizer.from_pretrained(str(model_dir)), args.prompts, 400)
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    # load_prompts gives (task ids, token ids); the code prompts are sent as their text.
+    texts = [tokenizer.decode(ids) for ids in load_prompts(tokenizer, args.prompts, 400)[1]]
     vocab_size = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     rng = np.random.default_rng(0)
     random_ids = [rng.integers(10, vocab_size, size=args.prompt_tokens).tolist()
