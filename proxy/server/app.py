@@ -162,13 +162,17 @@ async def _serve(settings: ServerSettings) -> int:
             app, host=settings.host, port=settings.port, log_level=settings.log_level
         )
         logger.warning(
-            "ddtree-proxy (%s, target %s) serving %s on http://%s:%d; text: %s; "
-            "generation defaults: %s",
+            "ddtree-proxy (%s, target %s) serving %s on http://%s:%d; drafter: %s; tree: %s, "
+            "budget %d, %s policy; text: %s; generation defaults: %s",
             runtime.target.label,
             settings.target_url or "in-process",
             runtime.model_name,
             settings.host,
             settings.port,
+            runtime.drafter.name if runtime.drafter is not None else "none",
+            settings.tree.kind,
+            settings.tree.budget,
+            settings.tree.policy,
             runtime.text_source,
             runtime.generation_defaults.describe(),
         )
