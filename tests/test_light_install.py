@@ -147,7 +147,7 @@ def _send(url: str, case: Case):
 
 def test_differential_suite_with_at_most_two_aux_calls_per_request(light_proxy, vllm_server):
     """The differential suite's CI cases, one at a time so that the proxy's /metrics tells
-    each request's auxiliary calls apart: every answer as vLLM's (less the README's
+    each request's auxiliary calls apart: every answer as vLLM's (less docs/FIDELITY.md's
     intended differences), at most MAX_AUX_CALLS per request, none to /detokenize."""
     url, _ = light_proxy
     vocab_size = json.loads((vllm_server.model_dir / "config.json").read_text())["vocab_size"]
