@@ -20,9 +20,9 @@ from fault_shim import FaultShim
 from hypothesis import HealthCheck, given, settings
 from schemathesis.checks import not_a_server_error
 
-from proxy.cli import build_parser
+from proxy.cli import build_parser, settings_from_args
 from proxy.decoding import TreeSettings
-from proxy.server.app import create_app, settings_from_args
+from proxy.server.app import create_app
 from proxy.server.request_models import DDTreeOptions
 from proxy.server.settings import ServerSettings
 
@@ -140,9 +140,9 @@ def test_no_request_field_names_a_file_to_load(vllm_server, shim, guarded):
 def test_binds_loopback_unless_told_otherwise():
     assert ServerSettings().host == "127.0.0.1"
     args = build_parser().parse_args(["serve", "--target-url", "http://127.0.0.1:9"])
-    assert settings_from_args(args, env={}).host == "127.0.0.1"
+    assert settings_from_args(ServerSettings, args).host == "127.0.0.1"
     args = build_parser().parse_args(["serve", "--target-url", "http://x:1", "--host", "0.0.0.0"])
-    assert settings_from_args(args, env={}).host == "0.0.0.0"
+    assert settings_from_args(ServerSettings, args).host == "0.0.0.0"
 
 
 # ----- (e) bad input -------------------------------------------------------------------

@@ -24,10 +24,10 @@ from conftest import serving
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from benchmarks.upstream import free_port
-from proxy.cli import build_parser
+from proxy.cli import build_parser, settings_from_args
 from proxy.cli import main as cli_main
 from proxy.decoding import TreeSettings
-from proxy.server.app import create_app, settings_from_args
+from proxy.server.app import create_app
 from proxy.server.settings import ServerSettings
 
 MODEL_NAME = "tiny-target"
@@ -461,17 +461,17 @@ def test_serve_settings_from_flags_and_env(monkeypatch):
     monkeypatch.setenv("DDTREE_PORT", "7000")
     monkeypatch.setenv("DDTREE_DEPTH", "5")
     monkeypatch.setenv("DDTREE_API_KEY", "k")
-    settings = settings_from_args(args)
+    settings = settings_from_args(ServerSettings, args)
     assert settings.target_url == "http://vllm:8000"  # from env, trailing slash dropped
     assert settings.port == 9001  # the flag wins over DDTREE_PORT
     assert settings.tree == TreeSettings(kind="ddtree", budget=32, depth=5)
     assert settings.strategy == "paths" and settings.api_key == "k"
     assert settings.host == "127.0.0.1"  # loopback unless asked
-    chain = settings_from_args(parser.parse_args(["serve", "--chain"]))
+    chain = settings_from_args(ServerSettings, parser.parse_args(["serve", "--chain"]))
     assert chain.tree.kind == "chain"
     monkeypatch.setenv("DDTREE_BUDGET", "0")
     with pytest.raises(ValueError, match="budget"):
-        settings_from_args(parser.parse_args(["serve"]))
+        settings_from_args(ServerSettings, parser.parse_args(["serve"]))
 
 
 def test_output_stops_at_the_context_limit(client, reference):
