@@ -89,7 +89,9 @@ def _assert_defaults(settings: RuntimeSettings, settings_list: list[Setting]) ->
 
 
 def test_no_flag_and_no_variable_is_the_models_defaults():
-    _assert_defaults(_serve(), SETTINGS)
+    settings = _serve()
+    _assert_defaults(settings, SETTINGS)
+    assert settings.port == 8080  # the proxy's port; 8000 is vLLM's
 
 
 @pytest.mark.parametrize("setting", SETTINGS, ids=lambda setting: setting.name)

@@ -29,7 +29,7 @@ class ServerSettings(RuntimeSettings, BaseSettings):
     model_config = SettingsConfigDict(env_ignore_empty=True, extra="forbid", frozen=True)
 
     host: str = Field("127.0.0.1", description="address to bind")
-    port: int = Field(8000, ge=0, le=65535, description="port to bind (0: any free port)")
+    port: int = Field(8080, ge=0, le=65535, description="port to bind (0: any free port)")
     api_key: str | None = Field(None, description="clients must send Authorization: Bearer KEY")
     request_timeout: float = Field(
         600.0, gt=0, description="deadline of one generation request, seconds (then 504)"
