@@ -1,10 +1,12 @@
 """The settings model is the one source of each setting's flag, environment variable,
 default, validation and help: `serve`'s parser and the DDTREE_* variables are checked
-against it, and bad values are one-line errors."""
+against it, bad values are one-line errors, and --log-level reaches the project's own
+loggers."""
 
 from __future__ import annotations
 
 import argparse
+import logging
 from typing import Any, Literal, get_args, get_origin
 
 import pytest
@@ -12,6 +14,7 @@ import pytest
 from proxy.cli import build_parser, flag_of, settings_from_args
 from proxy.cli import main as cli_main
 from proxy.decoding import TreeSettings
+from proxy.server.app import PROJECT_LOGGERS
 from proxy.server.settings import ServerSettings, env_var
 from proxy.settings import RuntimeSettings, Setting, settings_of
 
@@ -157,3 +160,37 @@ def test_a_bad_value_is_a_one_line_error(argv, variables, message, monkeypatch, 
     stderr = capsys.readouterr().err
     assert stderr.startswith(f"ddtree-proxy: error: {message}"), stderr
     assert len(stderr.strip().splitlines()) == 1
+
+
+@pytest.fixture
+def project_loggers():
+    yield
+    for name in PROJECT_LOGGERS:
+        logging.getLogger(name).setLevel(logging.NOTSET)
+
+
+@pytest.mark.parametrize(
+    "flags, variables, debug",
+    [
+        (["--log-level", "debug"], {}, True),
+        ([], {"DDTREE_LOG_LEVEL": "debug"}, True),
+        ([], {}, False),  # info, the default
+    ],
+)
+def test_log_level_sets_the_projects_loggers(
+    flags, variables, debug, tmp_path, monkeypatch, caplog, project_loggers
+):
+    """`serve` sets the level before it builds the service, which fails here at once (a
+    --tokenizer folder without tokenizer.json); then the project's loggers, by module
+    name (proxy.*) or not (ddtree_proxy.*), pass on debug records or drop them."""
+    for name, value in variables.items():
+        monkeypatch.setenv(name, value)
+    argv = ["serve", "--target-url", "http://127.0.0.1:9", "--tokenizer", str(tmp_path), *flags]
+    assert cli_main(argv) == 2
+    for name in ("proxy.runtime", "ddtree_proxy.server"):
+        logging.getLogger(name).debug("debug from %s", name)
+        logging.getLogger(name).info("info from %s", name)
+    got = [record.getMessage() for record in caplog.records if " from " in record.getMessage()]
+    want = [f"{level} from {name}" for name in ("proxy.runtime", "ddtree_proxy.server")
+            for level in (("debug", "info") if debug else ("info",))]  # fmt: skip
+    assert got == want

@@ -24,6 +24,9 @@ from proxy.server.request_models import REQUEST_MODELS
 from proxy.server.settings import ServerSettings
 
 logger = logging.getLogger("ddtree_proxy.server")
+# The project's loggers: the server and the runtime log as ddtree_proxy.*, the other
+# modules under their own names (proxy.*).
+PROJECT_LOGGERS = ("ddtree_proxy", "proxy")
 RELAYED_METHODS = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
 VLLM_GUARDED_PREFIXES = ("/v1", "/v2", "/inference", "/cohere")
 
@@ -140,9 +143,16 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
     return schema
 
 
+def configure_logging(level: str) -> None:
+    """`--log-level` for the project's own loggers (uvicorn takes it from its config)."""
+    for name in PROJECT_LOGGERS:
+        logging.getLogger(name).setLevel(level.upper())
+
+
 def run_server(settings: ServerSettings) -> int:
     """`ddtree-proxy serve`: build the service (clear one-line errors come from here),
     then serve until interrupted."""
+    configure_logging(settings.log_level)
     return asyncio.run(_serve(settings))
 
 

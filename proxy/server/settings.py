@@ -41,7 +41,9 @@ class ServerSettings(RuntimeSettings, BaseSettings):
     max_body_bytes: int = Field(
         4 * 1024 * 1024, ge=1024, description="largest request body accepted (then 413)"
     )
-    log_level: LogLevel = Field("info", description="uvicorn log level")
+    log_level: LogLevel = Field(
+        "info", description="log level of the proxy's own loggers and of uvicorn's"
+    )
 
     @field_validator("api_key")
     @classmethod
