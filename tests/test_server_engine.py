@@ -21,6 +21,7 @@ import pytest
 import torch
 from background_server import BackgroundServer
 from conftest import serving
+from metrics import scrape
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from benchmarks.upstream import free_port
@@ -422,17 +423,16 @@ def test_models_health_metrics(server, client):
     health = httpx.get(server.url + "/health")
     assert health.status_code == 200 and health.json()["status"] == "ok"
     client.completions.create(model=MODEL_NAME, prompt="y", max_tokens=4, temperature=0)
-    text = httpx.get(server.url + "/metrics").text
-    for name in [
-        "ddtree_rounds_total", "ddtree_acceptance_length_bucket", "ddtree_draft_seconds_count",
-        "ddtree_verify_seconds_count", "ddtree_generated_tokens_total", "ddtree_upstream_errors",
-        "ddtree_passthroughs", 'ddtree_requests_total{endpoint="completions",served_by="ddtree"}',
+    values = scrape(server.url)
+    for key in [
+        "ddtree_rounds_total", "ddtree_draft_seconds_count", "ddtree_verify_seconds_count",
+        "ddtree_generated_tokens_total",
+        'ddtree_requests_total{endpoint="completions",served_by="ddtree"}',
     ]:  # fmt: skip
-        assert name in text, name
-    values = {
-        line.split(" ")[0]: float(line.split(" ")[1])
-        for line in text.splitlines() if line and not line.startswith("#")
-    }  # fmt: skip
+        assert key in values, key
+    assert any(sample.name == "ddtree_acceptance_length_bucket" for sample in values.samples)
+    # Labelled counters: declared even before their first label set.
+    assert {"ddtree_upstream_errors", "ddtree_passthroughs"} <= values.families
     assert values["ddtree_rounds_total"] >= 1
     assert values["ddtree_acceptance_length_count"] == values["ddtree_rounds_total"]
     assert values["ddtree_acceptance_length_sum"] >= values["ddtree_rounds_total"]
