@@ -1,23 +1,26 @@
 """The settings model is the one source of each setting's flag, environment variable,
 default, validation and help: `serve`'s parser and the DDTREE_* variables are checked
-against it, bad values are one-line errors, and --log-level reaches the project's own
-loggers."""
+against it, bad values are one-line errors, --log-level reaches the project's own
+loggers, and the README's table of settings is the model's."""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import re
+from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
 import pytest
 
-from proxy.cli import build_parser, flag_of, settings_from_args
+from proxy.cli import build_parser, flag_of, help_of, settings_from_args
 from proxy.cli import main as cli_main
 from proxy.decoding import TreeSettings
 from proxy.server.app import PROJECT_LOGGERS
 from proxy.server.settings import ServerSettings, env_var
 from proxy.settings import RuntimeSettings, Setting, settings_of
 
+README = Path(__file__).resolve().parents[1] / "README.md"
 SETTINGS = settings_of(ServerSettings)
 # Valid values of a format of their own; any other setting takes `_other_value`'s.
 FORMATTED = {"target_url": "http://vllm:8000"}
@@ -194,3 +197,21 @@ def test_log_level_sets_the_projects_loggers(
     want = [f"{level} from {name}" for name in ("proxy.runtime", "ddtree_proxy.server")
             for level in (("debug", "info") if debug else ("info",))]  # fmt: skip
     assert got == want
+
+
+def _settings_table() -> str:
+    rows = ["| flag | variable | setting |", "|---|---|---|"]
+    rows += [f"| `{flag_of(s)}` | `{env_var(s.name)}` | {help_of(s)} |" for s in SETTINGS]
+    return "\n".join(rows) + "\n"
+
+
+def test_readme_lists_every_setting():
+    match = re.search(
+        r"<!-- serve-settings:start -->\n(.*?)<!-- serve-settings:end -->",
+        README.read_text(),
+        re.S,
+    )
+    assert match, "README.md lost its serve-settings markers"
+    assert match.group(1) == _settings_table(), "README's table is stale; it should read:\n" + (
+        _settings_table()
+    )
