@@ -11,96 +11,103 @@ import asyncio
 import json
 import logging
 import sys
-from typing import get_args
+from typing import Any, Literal, TypeVar, get_args, get_origin
 
 import pydantic
+from pydantic_settings import BaseSettings
 
 from proxy.backend.base import TargetError
-from proxy.backend.vllm import Strategy
-from proxy.decoding import BudgetPolicy, GenerationRequest, TreeSettings, generate
-from proxy.drafter import DRAFTERS
-from proxy.runtime import DEFAULT_DRAFTER, DEFAULT_TARGET_DIR, Runtime, build_runtime
+from proxy.decoding import GenerationRequest, TreeSettings, generate
+from proxy.runtime import Runtime, build_runtime
 from proxy.sampling import SamplingParams
-from proxy.settings import RuntimeSettings
+from proxy.server.settings import ServerSettings, env_var
+from proxy.settings import RuntimeSettings, Setting, nest, settings_of
+
+SettingsT = TypeVar("SettingsT", bound=RuntimeSettings)
+
+# Flags spelled other than --NAME (the spelling they had before every setting had a flag).
+_FLAG_NAMES = {"policy": "--budget-policy"}
+# `generate`'s settings: the in-process target and drafter, the tree, where torch runs.
+_GENERATE_SETTINGS = (
+    "target",
+    "drafter",
+    *TreeSettings.model_fields,
+    "device",
+    "dtype",
+    "torch_threads",
+)
 
 
-def _tree_settings(args: argparse.Namespace) -> TreeSettings:
-    if args.no_draft:
-        return TreeSettings(kind="none")
-    kind = "chain" if args.chain else "ddtree"
-    return TreeSettings(
-        kind=kind, budget=args.budget, depth=args.depth, policy=args.policy or "adaptive"
-    )
+def flag_of(setting: Setting) -> str:
+    return _FLAG_NAMES.get(setting.name, "--" + setting.name.replace("_", "-"))
 
 
-def _add_policy_arg(parser: argparse.ArgumentParser) -> None:
+def _choices(annotation: Any) -> list[str] | None:
+    """The values of a Literal annotation (or of the Literal in `Literal[...] | None`)."""
+    for candidate in (annotation, *get_args(annotation)):
+        if get_origin(candidate) is Literal:
+            return list(get_args(candidate))
+    return None
+
+
+def help_of(setting: Setting) -> str:
+    """The setting's description, its default appended."""
+    text = setting.field.description or ""
+    return text if setting.default is None else f"{text} (default: {setting.default})"
+
+
+def _add_setting(parser: Any, setting: Setting, from_env: bool) -> None:
+    """--NAME, its help the setting's, [DDTREE_NAME] appended where the environment is
+    read too. The parser leaves the value a string (None when not given): the settings
+    model validates it, as it validates the same value from a DDTREE_* variable."""
+    help_text = help_of(setting) + (f" [{env_var(setting.name)}]" if from_env else "")
     parser.add_argument(
-        "--budget-policy",
-        dest="policy",
-        choices=get_args(BudgetPolicy),
+        flag_of(setting),
+        dest=setting.name,
         default=None,
-        help="adaptive (default): per round the nodes (up to --budget), or plain "
-        "generation, with the most expected tokens/s; fixed: always --budget",
+        choices=_choices(setting.field.annotation),
+        help=help_text.replace("%", "%%"),
     )
 
 
-def _add_tree_args(parser: argparse.ArgumentParser, default_budget: int | None) -> None:
-    """Tree shape, budget policy and device flags (serve's defaults are None so that
-    DDTREE_* variables can fill them)."""
-    shape = parser.add_mutually_exclusive_group()
-    shape.add_argument(
-        "--budget", type=int, default=default_budget, help="tree nodes per round (16)"
-    )
-    shape.add_argument("--chain", action="store_true", help="plain chain of depth D")
-    shape.add_argument("--no-draft", action="store_true", help="no speculation at all")
-    parser.add_argument("--depth", type=int, default=None, help="tree depth per round")
-    _add_device_args(parser)
-    _add_policy_arg(parser)
+def _add_settings(
+    parser: argparse.ArgumentParser,
+    model: type[RuntimeSettings],
+    names: tuple[str, ...] | None = None,
+) -> None:
+    """A flag for each setting of `model` (or each of `names`); --chain and --no-draft
+    are --kind chain and --kind none, one of the three at most."""
+    from_env = issubclass(model, BaseSettings)
+    for setting in settings_of(model):
+        if names is not None and setting.name not in names:
+            continue
+        if setting.name != "kind":
+            _add_setting(parser, setting, from_env)
+            continue
+        shape = parser.add_mutually_exclusive_group()
+        _add_setting(shape, setting, from_env)
+        for flag, kind, meaning in (
+            ("--chain", "chain", "the rank-0 path of depth D"),
+            ("--no-draft", "none", "no drafting, the target alone"),
+        ):
+            shape.add_argument(
+                flag,
+                dest="kind",
+                action="store_const",
+                const=kind,
+                help=f"--kind {kind}: {meaning}",
+            )
 
 
-def _add_device_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--device",
-        default=None,
-        help="in-process models: auto (cuda if present, else cpu), cpu, cuda[:N]",
-    )
-    parser.add_argument(
-        "--dtype",
-        default=None,
-        help="in-process models: auto (bfloat16 on cuda, else float32), float32, bfloat16, float16",
-    )
-
-
-def _add_model_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--target", default=str(DEFAULT_TARGET_DIR), help="local target model directory"
-    )
-    parser.add_argument(
-        "--drafter",
-        default=DEFAULT_DRAFTER,
-        help=f"NAME[:PATH], NAME one of {', '.join(sorted(DRAFTERS))} (default: shipped dflash)",
-    )
-    _add_tree_args(parser, default_budget=16)
-    parser.add_argument(
-        "--torch-threads",
-        type=int,
-        default=None,
-        help="intra-op threads of the in-process models (default: torch's; 1 was fastest "
-        "for the shipped family on 2 cores)",
-    )
+def settings_from_args(model: type[SettingsT], args: argparse.Namespace) -> SettingsT:
+    """`model` from the flags given (a flag not given is None) over the DDTREE_*
+    variables if `model` reads them (a BaseSettings: ServerSettings) over its defaults."""
+    given = {name: value for name, value in vars(args).items() if value is not None}
+    return model(**nest(model, given))
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    if args.torch_threads is not None and args.torch_threads < 1:
-        raise ValueError(f"--torch-threads must be >= 1, got {args.torch_threads}")
-    settings = RuntimeSettings(
-        target=args.target,
-        drafter=args.drafter,
-        tree=_tree_settings(args),
-        torch_threads=args.torch_threads,
-        device=args.device,
-        dtype=args.dtype,
-    )
+    settings = settings_from_args(RuntimeSettings, args)
     sampling = SamplingParams(
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed
     )
@@ -146,81 +153,9 @@ async def _generate(
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from proxy.server import run_server
+    from proxy.server.app import run_server
 
-    return run_server(args)
-
-
-# (flag, type, help) of the plain `serve` options; the defaults in parentheses are
-# ServerSettings'.
-_SERVE_FLAGS: tuple[tuple[str, type, str], ...] = (
-    ("--host", str, "address to bind (127.0.0.1)"),
-    ("--port", int, "port (8000)"),
-    ("--api-key", str, "require Authorization: Bearer KEY"),
-    ("--upstream-api-key", str, "API key of the upstream vLLM"),
-    ("--connect-timeout", float, "upstream connect timeout, s (5)"),
-    ("--read-timeout", float, "upstream read timeout, s (120)"),
-    (
-        "--torch-threads",
-        int,
-        "threads for in-process models (default: 1 in proxy mode, torch's in engine mode)",
-    ),
-    ("--max-retries", int, "retries of a failed verification call (4)"),
-    ("--request-timeout", float, "deadline of one request, s (600)"),
-    ("--max-active", int, "generations served at once (64)"),
-    ("--max-queue", int, "waiting requests before 429 (256)"),
-    ("--max-body-bytes", int, "largest request body before 413 (4 MiB)"),
-    ("--policy-trace", str, "append one JSON line per policy decision to this file"),
-)
-
-
-def _add_serve_args(parser: argparse.ArgumentParser) -> None:
-    # Defaults are None so that DDTREE_* environment variables can fill the gaps; the
-    # real defaults live in proxy.server.settings.ServerSettings.
-    parser.add_argument(
-        "--target-url", default=None, help="upstream vLLM URL (proxy mode); omit for engine mode"
-    )
-    parser.add_argument(
-        "--target",
-        default=None,
-        help="engine mode: local target model directory (default: shipped)",
-    )
-    parser.add_argument(
-        "--model", default=None, help="proxy: the upstream model to serve; engine: its served name"
-    )
-    parser.add_argument(
-        "--tokenizer",
-        default=None,
-        help="proxy: the model's tokenizer files (default: found from the served model's "
-        "path or the Hugging Face cache here)",
-    )
-    parser.add_argument(
-        "--generation-config",
-        default=None,
-        help="proxy: as the upstream vLLM's --generation-config: auto (default), vllm, or "
-        "the same folder on this host",
-    )
-    parser.add_argument(
-        "--drafter",
-        default=None,
-        help=f"NAME[:PATH], NAME one of {', '.join(sorted(DRAFTERS))} "
-        "(default: ngram in proxy mode, the shipped dflash in engine mode)",
-    )
-    _add_tree_args(parser, default_budget=None)
-    parser.add_argument(
-        "--strategy",
-        choices=get_args(Strategy),
-        default=None,
-        help="proxy: verification (nodes)",
-    )
-    for flag, kind, help_text in _SERVE_FLAGS:
-        parser.add_argument(flag, type=kind, default=None, help=help_text)
-    parser.add_argument(
-        "--log-level",
-        choices=["critical", "error", "warning", "info", "debug"],
-        default=None,
-        help="server log level (info)",
-    )
+    return run_server(settings_from_args(ServerSettings, args))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -231,7 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", help="generate text in engine mode (in-process target)")
     gen.add_argument("--prompt", required=True, help="prompt text")
-    _add_model_args(gen)
+    _add_settings(gen, RuntimeSettings, _GENERATE_SETTINGS)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=0)
@@ -245,10 +180,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="serve an OpenAI-compatible API",
         description="Serve /v1/completions and /v1/chat/completions. With --target-url: proxy "
         "mode in front of an unmodified vLLM server; without: engine mode (in-process target). "
-        "Every option can also come from the environment as DDTREE_<OPTION> "
-        "(e.g. DDTREE_TARGET_URL, DDTREE_BUDGET, DDTREE_KIND=chain|none); flags win.",
+        "Every option can also come from the environment variable in brackets; a flag wins, "
+        "an empty variable counts as unset.",
     )
-    _add_serve_args(serve)
+    _add_settings(serve, ServerSettings)
     serve.set_defaults(func=_cmd_serve)
     return parser
 

@@ -1,13 +1,21 @@
 """What to run: the target, the drafter, the default tree and how to reach an upstream.
 One validated object read by the composition root (`proxy.runtime`); the server's
-settings (`proxy.server.settings`) extend it with the HTTP side."""
+settings (`proxy.server.settings`) extend it with the HTTP side.
+
+Every setting has one flat name, under which the command line takes it (--NAME) and
+`serve` reads it from the environment (DDTREE_NAME): a field's own name, and for the
+default tree (a nested `TreeSettings`) its fields' names (kind, budget, depth, policy)."""
 
 from __future__ import annotations
 
+from typing import Any, Mapping, NamedTuple
+
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic.fields import FieldInfo
 
 from proxy.backend.vllm import Strategy
 from proxy.decoding import TreeSettings
+from proxy.drafter import DRAFTERS
 
 
 class RuntimeSettings(BaseModel):
@@ -16,31 +24,34 @@ class RuntimeSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     target_url: str | None = Field(
-        None, description="upstream vLLM base URL (proxy mode); None runs engine mode"
+        None, description="upstream vLLM base URL (proxy mode); unset: engine mode"
     )
     target: str | None = Field(
-        None, description="engine mode: local target model directory (default: the shipped one)"
+        None, description="engine mode: local target model directory (unset: the shipped one)"
     )
     model: str | None = Field(
-        None, description="proxy: the upstream model to serve (default: its first); engine: name"
+        None,
+        description="proxy: the upstream model to serve (unset: its first); engine: its "
+        "served name",
     )
     tokenizer: str | None = Field(
         None,
-        description="proxy: the model's tokenizer files here; None: found from the served "
-        "model (proxy.model_files), else vLLM's /detokenize",
+        description="proxy: a folder with the model's tokenizer files (unset: found from the "
+        "served model's path or the Hugging Face cache here, else vLLM's /detokenize)",
     )
     generation_config: str = Field(
         "auto",
-        description="proxy: the upstream vLLM's --generation-config (auto: the model's "
-        "generation_config.json; vllm: none; or the same folder, here), for the defaults "
-        "the proxy must know",
+        description="proxy: as the upstream vLLM's --generation-config: auto (the model's "
+        "generation_config.json), vllm (none), or the same folder on this host",
     )
     drafter: str | None = Field(
-        None, description="NAME[:PATH]; default ngram (proxy) or the shipped dflash (engine)"
+        None,
+        description=f"NAME[:PATH], NAME one of {', '.join(sorted(DRAFTERS))} (unset: ngram "
+        "in proxy mode, the shipped dflash in engine mode)",
     )
     tree: TreeSettings = Field(TreeSettings(), description="default tree shape per round")
     strategy: Strategy | None = Field(
-        None, description="proxy: how a tree is verified upstream (default nodes)"
+        None, description="proxy: how a tree is verified upstream (unset: nodes)"
     )
     upstream_api_key: str | None = Field(None, description="key sent to the upstream vLLM")
     connect_timeout: float = Field(5.0, gt=0, description="upstream connect timeout, seconds")
@@ -58,16 +69,20 @@ class RuntimeSettings(BaseModel):
         "(docs/POLICY.md says how to read it)",
     )
     device: str | None = Field(
-        None, description="in-process models: auto (cuda if present, else cpu), cpu, cuda[:N]"
+        None,
+        description="in-process models: auto (cuda if present, else cpu), cpu, cuda[:N] "
+        "(unset: auto)",
     )
     dtype: str | None = Field(
-        None, description="in-process models: auto (bfloat16 on cuda, else float32), float32, ..."
+        None,
+        description="in-process models: auto (bfloat16 on cuda, else float32), float32, "
+        "bfloat16, float16 (unset: auto)",
     )
     torch_threads: int | None = Field(
         None,
         ge=1,
-        description="intra-op threads for in-process models; default 1 in proxy mode (small "
-        "drafters: more threads only fight vLLM for cores), torch's own in engine mode",
+        description="intra-op threads of in-process models (unset: 1 in proxy mode, where "
+        "more only fight vLLM for cores; torch's own in engine mode)",
     )
 
     @field_validator("target_url")
@@ -92,3 +107,42 @@ class RuntimeSettings(BaseModel):
     @property
     def proxy_mode(self) -> bool:
         return self.target_url is not None
+
+
+class Setting(NamedTuple):
+    """One setting under its flat name."""
+
+    name: str  # --NAME on the command line, DDTREE_NAME in serve's environment
+    parent: str | None  # the nested model's field that holds it ("tree"), None: top level
+    field: FieldInfo  # its type, bounds and description
+    default: Any
+
+
+def settings_of(model: type[BaseModel]) -> list[Setting]:
+    """`model`'s settings by flat name: each field, a nested model's fields in its place."""
+    found = []
+    for name, field in model.model_fields.items():
+        if isinstance(field.default, BaseModel):
+            nested = type(field.default).model_fields
+            found += [
+                Setting(sub, name, nested[sub], getattr(field.default, sub)) for sub in nested
+            ]
+        else:
+            found.append(Setting(name, None, field, field.default))
+    names = [setting.name for setting in found]
+    assert len(set(names)) == len(names), f"two settings share a flat name: {names}"
+    return found
+
+
+def nest(model: type[BaseModel], flat: Mapping[str, Any]) -> dict[str, Any]:
+    """Values by flat name -> `model`'s keyword arguments ({"budget": 8} -> {"tree":
+    {"budget": 8}}); names that are not settings of `model` are left out."""
+    values: dict[str, Any] = {}
+    for setting in settings_of(model):
+        if setting.name not in flat:
+            continue
+        if setting.parent is None:
+            values[setting.name] = flat[setting.name]
+        else:
+            values.setdefault(setting.parent, {})[setting.name] = flat[setting.name]
+    return values

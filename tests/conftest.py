@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 
 from benchmarks import servers
+from proxy.server.settings import ServerSettings, env_var
+from proxy.settings import settings_of
 from training.modelgen import random_qwen3
 
 # Shapes of the random-weight targets the lossless tests run on. A wide weight
@@ -59,6 +61,16 @@ def dflash_dirs(target_dirs, tmp_path_factory) -> dict[str, Path]:
         model = DFlashDraftModel.random(config, seed=11, std=0.2)
         dirs[name] = save_checkpoint(model, tmp_path_factory.mktemp(f"dflash-{name}"))
     return dirs
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _no_settings_from_the_shell():
+    """ServerSettings read DDTREE_<NAME> variables: the shell's stay out of the tests
+    (a test sets its own with monkeypatch)."""
+    with pytest.MonkeyPatch.context() as patch:
+        for setting in settings_of(ServerSettings):
+            patch.delenv(env_var(setting.name), raising=False)
+        yield
 
 
 def run(coro):

@@ -13,6 +13,7 @@ from collections import Counter
 import httpx
 import pytest
 from conftest import run
+from metrics import scrape
 from scipy.stats import chi2_contingency
 
 from proxy.adaptive.policy import Plain, Policy, Speculate
@@ -221,22 +222,22 @@ def test_served_default_policy_is_lossless_and_exposes_its_costs(vllm_server, tm
         theirs = httpx.post(vllm_server.url + "/v1/completions", json=seeded, timeout=300).json()
         assert ours["choices"][0]["token_ids"] == theirs["choices"][0]["token_ids"]
         assert ours["usage"]["ddtree"]["plain_tokens"] == ours["usage"]["completion_tokens"]
-        metrics = httpx.get(proxy.url + "/metrics").text
+        metrics = scrape(proxy.url)
     for name in ("call_s", "call_per_prompt_s", "call_per_token_s", "round_overhead_s",
                  "plain_opening_s", "plain_per_token_s"):  # fmt: skip
         assert f'ddtree_policy_estimate{{name="{name}"}}' in metrics, name
     # Every decision is counted by kind and reason; both sides were taken.
-    decisions = [line for line in metrics.splitlines()
-                 if line.startswith("ddtree_policy_decisions_total{")]  # fmt: skip
-    assert any('decision="plain"' in line for line in decisions), decisions
-    assert any('decision="speculate"' in line for line in decisions), decisions
+    decisions = [sample for sample in metrics.samples
+                 if sample.name == "ddtree_policy_decisions_total"]  # fmt: skip
+    assert any(sample.labels["decision"] == "plain" for sample in decisions), decisions
+    assert any(sample.labels["decision"] == "speculate" for sample in decisions), decisions
     records = [json.loads(line) for line in trace.read_text().splitlines()]
-    total = sum(float(line.rsplit(" ", 1)[1]) for line in decisions)
+    total = metrics.total("ddtree_policy_decisions_total")
     assert len(records) == total  # one trace line per counted decision
     assert {"t", "request", "decision", "reason", "nodes", "remaining"} <= records[0].keys()
     switches = [r for r in caplog.records if r.name == "ddtree_proxy.policy"]
     assert switches and all("->" in r.getMessage() for r in switches)
     # The drafts seen so far (verified or shadow) are on the calibration table.
-    calibration = [line for line in metrics.splitlines()
-                   if line.startswith("ddtree_drafter_calibration{edge_probability=")]  # fmt: skip
-    assert calibration, metrics
+    calibration = [sample for sample in metrics.samples if sample.name == "ddtree_drafter_calibration"
+                   and "edge_probability" in sample.labels]  # fmt: skip
+    assert calibration, dict(metrics)

@@ -72,7 +72,7 @@ def test_generate_with_dflash_chain(target_dirs, dflash_dir):
         (["--drafter", "DFLASH", "--depth", "9"], "exceeds the dflash drafter's maximum of 3"),
         (["--drafter", "ngram", "--target", "/nonexistent/model"], "/nonexistent/model not found"),
         (["--drafter", "ngram", "--prompt", ""], "prompt is empty"),
-        (["--drafter", "ngram", "--torch-threads", "0"], "--torch-threads must be >= 1"),
+        (["--drafter", "ngram", "--torch-threads", "0"], "torch_threads: Input should be greater"),
     ],
 )
 def test_bad_input_is_one_line_error(args, message, target_dirs, dflash_dir):

@@ -25,13 +25,12 @@ import pytest
 import yaml
 from packaging.specifiers import SpecifierSet
 
-from proxy.cli import build_parser
+from proxy.cli import build_parser, settings_from_args
 from proxy.drafter import parse_drafter_spec
 from proxy.drafter.served import ServedOptions
 from proxy.runtime import DEFAULT_TARGET_DIR
 from proxy.runtime import REPO_ROOT as RUNTIME_REPO_ROOT
-from proxy.server.app import settings_from_args
-from proxy.server.settings import ENV_PREFIX, ServerSettings, settings_from_sources
+from proxy.server.settings import ServerSettings, env_var
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SERVICES = {"vllm", "vllm-draft", "proxy"}  # target vLLM, draft vLLM, ddtree-proxy
@@ -144,22 +143,23 @@ def test_vllm_services(stack, name):
     assert len(host_ports) == 3  # no two services on one host port
 
 
-def _proxy_settings(services: dict, env: dict[str, str] | None = None) -> ServerSettings:
+def _proxy_settings(services: dict, monkeypatch: pytest.MonkeyPatch) -> ServerSettings:
     proxy = services["proxy"]
     args = build_parser().parse_args(proxy["command"])
     assert args.command == "serve"
-    environment = {key: str(value) for key, value in proxy["environment"].items()}
-    return settings_from_args(args, env=environment | (env or {}))
+    for key, value in proxy["environment"].items():
+        monkeypatch.setenv(key, str(value))
+    return settings_from_args(ServerSettings, args)
 
 
-def test_proxy_service_command_parses(stack):
+def test_proxy_service_command_parses(stack, monkeypatch):
     _, services = stack
     vllm, draft, proxy = services["vllm"], services["vllm-draft"], services["proxy"]
     assert proxy["depends_on"] == {
         "vllm": {"condition": "service_healthy"},
         "vllm-draft": {"condition": "service_healthy"},
     }
-    settings = _proxy_settings(services)
+    settings = _proxy_settings(services, monkeypatch)
     assert isinstance(settings, ServerSettings) and settings.proxy_mode
     upstream = urlparse(settings.target_url)
     assert upstream.hostname == "vllm"
@@ -182,7 +182,7 @@ def test_proxy_service_command_parses(stack):
     assert settings.tree.budget == 16 and settings.strategy == "nodes"
 
 
-def test_compose_environment_overrides():
+def test_compose_environment_overrides(monkeypatch):
     env = {
         "DDTREE_API_KEY": "k",
         "DDTREE_BUDGET": "64",
@@ -193,7 +193,7 @@ def test_compose_environment_overrides():
         "DDTREE_MODEL_NAME": "qwen3-8b",
     }
     services = _load(*STACKS["gpu"], env=env)
-    settings = _proxy_settings(services)
+    settings = _proxy_settings(services, monkeypatch)
     assert settings.api_key == "k" and settings.tree.budget == 64 and settings.drafter == "ngram"
     assert _container_ports(services["proxy"]) == {8080: ("0.0.0.0", 8080)}
     assert _flag(services["vllm-draft"]["command"], "--model") == "/models/draft"
@@ -340,11 +340,12 @@ class _Health(BaseHTTPRequestHandler):
         pass
 
 
-def test_healthcheck_probes_the_configured_port():
+def test_healthcheck_probes_the_configured_port(monkeypatch):
     """The image's HEALTHCHECK, run as written, follows DDTREE_PORT (the variable the
     server binds to): healthy when /health answers there, unhealthy when nothing does."""
-    variable = f"{ENV_PREFIX}PORT"
-    assert settings_from_sources({}, env={variable: "9123"}).port == 9123
+    variable = env_var("port")
+    monkeypatch.setenv(variable, "9123")
+    assert ServerSettings().port == 9123
     (health,) = [args for keyword, args in _dockerfile() if keyword == "HEALTHCHECK"]
     command = json.loads(health[health.index("CMD") + len("CMD") :])
     assert command[0] == "python" and not re.search(r":\d+/health", " ".join(command)), command

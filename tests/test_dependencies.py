@@ -100,13 +100,13 @@ def _distributions(modules: set[str], declared: set[str]) -> dict[str, set[str]]
 
 def _server_path_modules() -> set[str]:
     """The package's modules that load when the console script serves proxy mode with
-    its default drafter: the entry point's module, the `serve` command's package (which
-    the CLI imports on use) and the drafter's module (the registry imports it by name),
-    then every package module they import at load time."""
+    its default drafter: the entry point's module, the `serve` command's server module
+    (which the CLI imports on use) and the drafter's module (the registry imports it by
+    name), then every package module they import at load time."""
     (entry,) = PYPROJECT["scripts"].values()
     roots = [
         entry.partition(":")[0],
-        f"{PACKAGE}.server",
+        f"{PACKAGE}.server.app",
         DRAFTERS[PROXY_DEFAULT_DRAFTER].partition(":")[0],
     ]
     seen: set[str] = set()

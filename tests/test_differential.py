@@ -23,6 +23,7 @@ import httpx
 import pytest
 from background_server import BackgroundServer
 from differential import Case, generate_cases, observe, report, run_cases
+from metrics import scrape
 
 from proxy.server.app import create_app
 from proxy.server.request_models import REQUEST_MODELS
@@ -68,11 +69,8 @@ def assert_same(vllm_server, proxy_url, endpoint: str, body: dict):
     return want, got
 
 
-def metric(url: str, name: str) -> float:
-    for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
+def metric(url: str, key: str) -> float:
+    return scrape(url).get(key, 0.0)
 
 
 # ----- the generator ---------------------------------------------------------------------

@@ -29,7 +29,7 @@ import torch
 from background_server import BackgroundServer
 from conftest import make_test_model
 from differential import CODE, Result, compare, compared_exactly, generate_cases, observe, report
-from prometheus_client.parser import text_string_to_metric_families
+from metrics import scrape
 from scipy.stats import chisquare
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -239,17 +239,6 @@ def server_b(tmp_path_factory):
         server.stop()
 
 
-def _metric(url: str, name: str, **labels: str) -> float:
-    """A counter summed over the label sets that have `labels`."""
-    text = httpx.get(url + "/metrics", timeout=30).text
-    return sum(
-        sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-        if sample.name == name and labels.items() <= sample.labels.items()
-    )
-
-
 def test_the_mirror_flag_ignores_the_file_as_vllm_does(server_b):
     # A fixed budget: every request speculated, every answer the proxy's own.
     mirror = ServerSettings(
@@ -273,9 +262,9 @@ def test_the_mirror_flag_ignores_the_file_as_vllm_does(server_b):
         want, got = _complete(server_b.url, completion), _complete(proxy.url, completion)
         assert got["choices"][0]["token_ids"] == want["choices"][0]["token_ids"]
         assert got["usage"]["ddtree"]["rounds"] > 0
-        assert _metric(proxy.url, "ddtree_passthroughs_total") == 0
+        assert scrape(proxy.url).total("ddtree_passthroughs_total") == 0
         # Without the flag the proxy reads the file as `auto` would: a default presence
         # penalty, which node prompts cannot honour, so every request goes through.
         assert _complete(auto.url, completion)["choices"][0]["token_ids"] == want["choices"][0]["token_ids"]
         reason = "default_presence_penalty"
-        assert _metric(auto.url, "ddtree_passthroughs_total", reason=reason) == 1
+        assert scrape(auto.url).total("ddtree_passthroughs_total", reason=reason) == 1

@@ -22,7 +22,7 @@ import httpx
 import pytest
 from conftest import serving
 from differential import Case, Result, compare, generate_cases, observe, report
-from prometheus_client.parser import text_string_to_metric_families
+from metrics import scrape
 
 from benchmarks.upstream import REPO_ROOT, free_port
 
@@ -99,11 +99,9 @@ def light_proxy(light_venv, vllm_server, tmp_path_factory):
 
 def aux_calls(url: str) -> dict[str, float]:
     """The proxy's ddtree_upstream_aux_calls_total by path."""
-    text = httpx.get(url + "/metrics", timeout=30).text
     return {
         sample.labels["path"]: sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
+        for sample in scrape(url).samples
         if sample.name == "ddtree_upstream_aux_calls_total"
     }
 

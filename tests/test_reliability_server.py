@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 import time
 
 import httpx
@@ -18,11 +17,12 @@ from background_server import BackgroundServer
 from conftest import MAX_MODEL_LEN
 from fault_shim import FaultShim
 from hypothesis import HealthCheck, given, settings
+from metrics import scrape
 from schemathesis.checks import not_a_server_error
 
-from proxy.cli import build_parser
+from proxy.cli import build_parser, settings_from_args
 from proxy.decoding import TreeSettings
-from proxy.server.app import create_app, settings_from_args
+from proxy.server.app import create_app
 from proxy.server.request_models import DDTreeOptions
 from proxy.server.settings import ServerSettings
 
@@ -32,24 +32,6 @@ CLIENT_KEY = "client-key"
 UPSTREAM_KEY = "upstream-key"
 AUTH = {"Authorization": f"Bearer {CLIENT_KEY}"}
 MAX_BODY = 64 * 1024
-
-
-def metric_values(url: str, headers: dict | None = None) -> dict[str, float]:
-    values = {}
-    for line in httpx.get(url + "/metrics", timeout=30, headers=headers).text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            values[name] = float(value)
-    return values
-
-
-def vllm_counter(url: str, name: str) -> float:
-    total = 0.0
-    for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
-        match = re.match(rf"^{name}(?:\{{[^}}]*\}})? ([0-9.e+-]+)$", line)
-        if match:
-            total += float(match.group(1))
-    return total
 
 
 @pytest.fixture(scope="module")
@@ -140,9 +122,9 @@ def test_no_request_field_names_a_file_to_load(vllm_server, shim, guarded):
 def test_binds_loopback_unless_told_otherwise():
     assert ServerSettings().host == "127.0.0.1"
     args = build_parser().parse_args(["serve", "--target-url", "http://127.0.0.1:9"])
-    assert settings_from_args(args, env={}).host == "127.0.0.1"
+    assert settings_from_args(ServerSettings, args).host == "127.0.0.1"
     args = build_parser().parse_args(["serve", "--target-url", "http://x:1", "--host", "0.0.0.0"])
-    assert settings_from_args(args, env={}).host == "0.0.0.0"
+    assert settings_from_args(ServerSettings, args).host == "0.0.0.0"
 
 
 # ----- (e) bad input -------------------------------------------------------------------
@@ -218,7 +200,7 @@ def test_oversized_chunked_body_is_413(guarded):
     response = httpx.post(guarded + "/v1/completions", content=chunks(), headers=AUTH, timeout=60)
     assert response.status_code == 413, response.text
     assert "limit" in response.json()["error"]["message"]
-    assert metric_values(guarded, AUTH)['ddtree_rejected_total{reason="body_too_large"}'] >= 1
+    assert scrape(guarded, AUTH)['ddtree_rejected_total{reason="body_too_large"}'] >= 1
 
 
 def test_schemathesis_finds_no_server_error(vllm_server, guarded):
@@ -277,7 +259,7 @@ def _long_body(model: str, **extra) -> dict:
 
 async def _wait_metric(url: str, name: str, value: float, timeout_s: float = 30) -> None:
     start = time.monotonic()
-    while metric_values(url).get(name) != value:
+    while scrape(url).get(name) != value:
         assert time.monotonic() - start < timeout_s, f"{name} never became {value}"
         await asyncio.sleep(0.05)
 
@@ -302,7 +284,7 @@ def test_queue_beyond_its_depth_is_429_and_a_dropped_stream_frees_its_slot(vllm_
     assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
     assert refused.json()["error"]["type"] == "rate_limit_exceeded"
     assert served.status_code == 200 and len(served.json()["choices"][0]["token_ids"]) == 4
-    metrics = metric_values(narrow)
+    metrics = scrape(narrow)
     assert metrics["ddtree_active_requests"] == 0 and metrics["ddtree_queued_requests"] == 0
     assert metrics['ddtree_rejected_total{reason="queue_full"}'] == 1
 
@@ -310,7 +292,7 @@ def test_queue_beyond_its_depth_is_429_and_a_dropped_stream_frees_its_slot(vllm_
 def test_client_disconnect_stops_the_generation(vllm_server, narrow):
     """A client that drops mid-stream: its loop stops, no further upstream calls (the
     proxy's metrics and vLLM's own prompt-token counter both stand still)."""
-    before = metric_values(narrow)
+    before = scrape(narrow)
     body = _long_body(
         vllm_server.model, stream=True,
         stream_options={"include_usage": True, "continuous_usage_stats": True},
@@ -322,19 +304,19 @@ def test_client_disconnect_stops_the_generation(vllm_server, narrow):
                 client_rounds = json.loads(line[6:])["usage"]["ddtree"]["rounds"]
                 if client_rounds >= 5:
                     break  # leaving the block closes the connection mid-stream
-    at_close = metric_values(narrow)  # a few ms after the socket closed
+    at_close = scrape(narrow)  # a few ms after the socket closed
     time.sleep(0.5)
-    settled = metric_values(narrow)
-    vllm_settled = vllm_counter(vllm_server.url, "vllm:prompt_tokens_total")
+    settled = scrape(narrow)
+    vllm_settled = scrape(vllm_server.url).total("vllm:prompt_tokens_total")
     time.sleep(2.0)  # an undisturbed generation would make dozens of calls meanwhile
-    after = metric_values(narrow)
+    after = scrape(narrow)
     assert (
         after["ddtree_client_disconnects_total"]
         == before.get("ddtree_client_disconnects_total", 0) + 1
     )
     assert after["ddtree_upstream_calls_total"] == settled["ddtree_upstream_calls_total"]
     assert after["ddtree_rounds_total"] == settled["ddtree_rounds_total"]
-    assert vllm_counter(vllm_server.url, "vllm:prompt_tokens_total") == vllm_settled
+    assert scrape(vllm_server.url).total("vllm:prompt_tokens_total") == vllm_settled
     assert after["ddtree_active_requests"] == 0
     # The round in flight when the disconnect was seen is cancelled, not finished.
     rounds_after_close = settled["ddtree_rounds_total"] - at_close["ddtree_rounds_total"]

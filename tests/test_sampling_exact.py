@@ -24,7 +24,7 @@ import torch
 from background_server import BackgroundServer
 from conftest import VLLM_SEED
 from fault_shim import FaultShim
-from prometheus_client.parser import text_string_to_metric_families
+from metrics import scrape
 from scipy.stats import chisquare
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -93,13 +93,7 @@ def proxy_url(vllm_server, shim):
 
 
 def _retries(url: str) -> float:
-    text = httpx.get(url + "/metrics", timeout=30).text
-    return sum(
-        sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-        if sample.name == "ddtree_upstream_retries_total"
-    )
+    return scrape(url).total("ddtree_upstream_retries_total")
 
 
 async def _traffic_mix(url: str, model: str, prompt: list[int]) -> None:

@@ -21,13 +21,14 @@ import pytest
 import torch
 from background_server import BackgroundServer
 from conftest import serving
+from metrics import scrape
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from benchmarks.upstream import free_port
-from proxy.cli import build_parser
+from proxy.cli import build_parser, settings_from_args
 from proxy.cli import main as cli_main
 from proxy.decoding import TreeSettings
-from proxy.server.app import create_app, settings_from_args
+from proxy.server.app import create_app
 from proxy.server.settings import ServerSettings
 
 MODEL_NAME = "tiny-target"
@@ -422,17 +423,16 @@ def test_models_health_metrics(server, client):
     health = httpx.get(server.url + "/health")
     assert health.status_code == 200 and health.json()["status"] == "ok"
     client.completions.create(model=MODEL_NAME, prompt="y", max_tokens=4, temperature=0)
-    text = httpx.get(server.url + "/metrics").text
-    for name in [
-        "ddtree_rounds_total", "ddtree_acceptance_length_bucket", "ddtree_draft_seconds_count",
-        "ddtree_verify_seconds_count", "ddtree_generated_tokens_total", "ddtree_upstream_errors",
-        "ddtree_passthroughs", 'ddtree_requests_total{endpoint="completions",served_by="ddtree"}',
+    values = scrape(server.url)
+    for key in [
+        "ddtree_rounds_total", "ddtree_draft_seconds_count", "ddtree_verify_seconds_count",
+        "ddtree_generated_tokens_total",
+        'ddtree_requests_total{endpoint="completions",served_by="ddtree"}',
     ]:  # fmt: skip
-        assert name in text, name
-    values = {
-        line.split(" ")[0]: float(line.split(" ")[1])
-        for line in text.splitlines() if line and not line.startswith("#")
-    }  # fmt: skip
+        assert key in values, key
+    assert any(sample.name == "ddtree_acceptance_length_bucket" for sample in values.samples)
+    # Labelled counters: declared even before their first label set.
+    assert {"ddtree_upstream_errors", "ddtree_passthroughs"} <= values.families
     assert values["ddtree_rounds_total"] >= 1
     assert values["ddtree_acceptance_length_count"] == values["ddtree_rounds_total"]
     assert values["ddtree_acceptance_length_sum"] >= values["ddtree_rounds_total"]
@@ -461,17 +461,17 @@ def test_serve_settings_from_flags_and_env(monkeypatch):
     monkeypatch.setenv("DDTREE_PORT", "7000")
     monkeypatch.setenv("DDTREE_DEPTH", "5")
     monkeypatch.setenv("DDTREE_API_KEY", "k")
-    settings = settings_from_args(args)
+    settings = settings_from_args(ServerSettings, args)
     assert settings.target_url == "http://vllm:8000"  # from env, trailing slash dropped
     assert settings.port == 9001  # the flag wins over DDTREE_PORT
     assert settings.tree == TreeSettings(kind="ddtree", budget=32, depth=5)
     assert settings.strategy == "paths" and settings.api_key == "k"
     assert settings.host == "127.0.0.1"  # loopback unless asked
-    chain = settings_from_args(parser.parse_args(["serve", "--chain"]))
+    chain = settings_from_args(ServerSettings, parser.parse_args(["serve", "--chain"]))
     assert chain.tree.kind == "chain"
     monkeypatch.setenv("DDTREE_BUDGET", "0")
     with pytest.raises(ValueError, match="budget"):
-        settings_from_args(parser.parse_args(["serve"]))
+        settings_from_args(ServerSettings, parser.parse_args(["serve"]))
 
 
 def test_output_stops_at_the_context_limit(client, reference):

@@ -20,6 +20,7 @@ import httpx
 import pytest
 import respx
 from background_server import BackgroundServer
+from metrics import Metrics
 from tokenizers import Tokenizer
 
 from proxy.backend.base import TargetError
@@ -166,11 +167,8 @@ def _events(response: httpx.Response) -> list[dict | str]:
     return events
 
 
-def _metric(http: httpx.Client, name: str) -> float:
-    for line in http.get("/metrics").text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split(" ")[1])
-    return 0.0
+def _metric(http: httpx.Client, key: str) -> float:
+    return Metrics(http.get("/metrics").text).get(key, 0.0)
 
 
 def test_healthy_upstream_gives_the_reference(upstream, http):

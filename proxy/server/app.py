@@ -9,7 +9,7 @@ import asyncio
 import logging
 import secrets
 from contextlib import asynccontextmanager
-from typing import Any, Mapping
+from typing import Any
 
 import httpx
 import uvicorn
@@ -21,9 +21,12 @@ from proxy.runtime import Runtime, build_runtime
 from proxy.server.errors import RequestError, error_body
 from proxy.server.handlers import Handlers
 from proxy.server.request_models import REQUEST_MODELS
-from proxy.server.settings import ServerSettings, settings_from_sources
+from proxy.server.settings import ServerSettings
 
 logger = logging.getLogger("ddtree_proxy.server")
+# The project's loggers: the server and the runtime log as ddtree_proxy.*, the other
+# modules under their own names (proxy.*).
+PROJECT_LOGGERS = ("ddtree_proxy", "proxy")
 RELAYED_METHODS = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
 VLLM_GUARDED_PREFIXES = ("/v1", "/v2", "/inference", "/cohere")
 
@@ -140,17 +143,16 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
     return schema
 
 
-def settings_from_args(args: Any, env: Mapping[str, str] | None = None) -> ServerSettings:
-    """`serve` flags over DDTREE_* variables of `env` (default: os.environ)."""
-    cli = dict(vars(args))
-    cli["kind"] = "chain" if cli.get("chain") else "none" if cli.get("no_draft") else None
-    return settings_from_sources(cli, env)
+def configure_logging(level: str) -> None:
+    """`--log-level` for the project's own loggers (uvicorn takes it from its config)."""
+    for name in PROJECT_LOGGERS:
+        logging.getLogger(name).setLevel(level.upper())
 
 
-def run_server(args: Any) -> int:
+def run_server(settings: ServerSettings) -> int:
     """`ddtree-proxy serve`: build the service (clear one-line errors come from here),
     then serve until interrupted."""
-    settings = settings_from_args(args)
+    configure_logging(settings.log_level)
     return asyncio.run(_serve(settings))
 
 
