@@ -10,6 +10,7 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import sys
 from typing import Any, Literal, TypeVar, get_args, get_origin
 
@@ -158,6 +159,30 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return run_server(settings_from_args(ServerSettings, args))
 
 
+def _cmd_report(args: argparse.Namespace) -> int:
+    """Fetch a serving proxy's A/B report; print it as tables (or JSON), plot it."""
+    import httpx
+
+    from proxy.ab.report import format_report, plot
+
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    url = args.url.rstrip("/") + "/ddtree/report"
+    try:
+        response = httpx.get(url, headers=headers, timeout=args.timeout)
+    except httpx.HTTPError as exc:
+        raise ValueError(f"cannot reach {url}: {exc}") from None
+    if response.status_code != 200:
+        raise ValueError(f"{url} answered {response.status_code}: {response.text[:200]}")
+    data = response.json()
+    print(json.dumps(data, indent=2) if args.json else format_report(data))
+    if args.plot:
+        try:
+            plot(data, args.plot)
+        except RuntimeError as exc:  # matplotlib missing
+            raise ValueError(str(exc)) from None
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ddtree-proxy", description="Lossless DDTree speculative decoding"
@@ -185,6 +210,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_settings(serve, ServerSettings)
     serve.set_defaults(func=_cmd_serve)
+
+    ab = sub.add_parser("report", help="print a serving proxy's A/B report")
+    ab.add_argument("--url", required=True, help="the proxy's base URL, e.g. http://127.0.0.1:8080")
+    ab.add_argument("--api-key", default=os.environ.get("DDTREE_API_KEY"),
+                    help="the proxy's API key (default: DDTREE_API_KEY)")  # fmt: skip
+    ab.add_argument("--plot", metavar="FILE", help="also write a PNG (needs matplotlib)")
+    ab.add_argument("--json", action="store_true", help="print the report's JSON")
+    ab.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for it")
+    ab.set_defaults(func=_cmd_report)
     return parser
 
 

@@ -20,7 +20,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Literal
 
 import httpx
 
@@ -81,6 +81,9 @@ class Runtime:
     policy: Policy = field(default_factory=Policy)
     restore_torch_threads: int | None = None  # torch's thread count before we set ours
     trace: TraceFile | None = None  # where the policy's decisions go (--policy-trace)
+    # Proxy mode: loads another drafter for this target (shadow replays); the caller
+    # closes it. None in engine mode.
+    load_drafter: Callable[[str], Awaitable[Drafter]] | None = None
 
     @property
     def mode(self) -> Mode:
@@ -288,23 +291,29 @@ async def _build_proxy(
         remote = VLLMTokens.of(target, files.tokenizer_dir)
         vocab_size = int(config["vocab_size"]) if "vocab_size" in config else None
         tokens, text_source = await _text_source(files, remote, vocab_size)
-        if settings.tree.kind != "none":
-            info = TargetInfo(
-                # Without a local config the bounds are unknown: 2**31 - 1 lets any
-                # drafter vocabulary through, and vLLM rejects out-of-range ids itself.
-                vocab_size=vocab_size or 2**31 - 1,
-                num_hidden_layers=int(config.get("num_hidden_layers", 0)),
-                hidden_size=int(config.get("hidden_size", 0)),
-                model_dir=model_dir,
-                model=None,
-            )
-            drafter = await asyncio.to_thread(load_drafter, drafter_spec, info)
-            if drafter.target_layer_ids is not None:
+        info = TargetInfo(
+            # Without a local config the bounds are unknown: 2**31 - 1 lets any
+            # drafter vocabulary through, and vLLM rejects out-of-range ids itself.
+            vocab_size=vocab_size or 2**31 - 1,
+            num_hidden_layers=int(config.get("num_hidden_layers", 0)),
+            hidden_size=int(config.get("hidden_size", 0)),
+            model_dir=model_dir,
+            model=None,
+        )
+
+        async def load(spec: str) -> Drafter:
+            loaded = await asyncio.to_thread(load_drafter, spec, info)
+            if loaded.target_layer_ids is not None:
+                await loaded.aclose()
                 raise ValueError(
-                    f"the {drafter.name} drafter needs target hidden states, which vLLM's "
+                    f"the {loaded.name} drafter needs target hidden states, which vLLM's "
                     "HTTP API cannot give; use engine mode for it"
                 )
-            await drafter.connect(remote)  # a served drafter: reach it, check its tokenizer
+            await loaded.connect(remote)  # a served drafter: reach it, check its tokenizer
+            return loaded
+
+        if settings.tree.kind != "none":
+            drafter = await load(drafter_spec)
         return Runtime(
             target=target,
             drafter=drafter,
@@ -315,6 +324,7 @@ async def _build_proxy(
             upstream_http=target.http,
             text_source=text_source,
             remote_text=tokens is remote,
+            load_drafter=load,
         )
     except BaseException:
         await target.aclose()

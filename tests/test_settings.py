@@ -13,6 +13,7 @@ from typing import Any, Literal, get_args, get_origin
 
 import pytest
 
+from proxy.ab.settings import ABSettings
 from proxy.cli import build_parser, flag_of, help_of, settings_from_args
 from proxy.cli import main as cli_main
 from proxy.decoding import TreeSettings
@@ -23,7 +24,16 @@ from proxy.settings import RuntimeSettings, Setting, settings_of
 README = Path(__file__).resolve().parents[1] / "README.md"
 SETTINGS = settings_of(ServerSettings)
 # Valid values of a format of their own; any other setting takes `_other_value`'s.
-FORMATTED = {"target_url": "http://vllm:8000"}
+FORMATTED = {
+    "target_url": "http://vllm:8000",
+    "ab_split": "0.5",
+    "ab_guardrail": "True",
+    "shadow": "0.25",
+    "shadow_drafters": "ngram",
+    "shadow_budgets": "2,32",
+}
+# The nested models whose fields are flat settings, by the field that holds each.
+NESTED = {"tree": TreeSettings, "ab": ABSettings}
 
 
 def _serve_parser() -> argparse.ArgumentParser:
@@ -65,9 +75,11 @@ def _other_value(setting: Setting) -> str:
 
 
 def test_every_field_is_a_setting():
-    tree = set(TreeSettings.model_fields)
-    assert {s.name for s in SETTINGS} == (set(ServerSettings.model_fields) - {"tree"}) | tree
-    assert {s.name for s in SETTINGS if s.parent == "tree"} == tree
+    nested = {name: set(model.model_fields) for name, model in NESTED.items()}
+    top = set(ServerSettings.model_fields) - set(NESTED)
+    assert {s.name for s in SETTINGS} == top.union(*nested.values())
+    for parent, fields in nested.items():
+        assert {s.name for s in SETTINGS if s.parent == parent} == fields
 
 
 @pytest.mark.parametrize("setting", SETTINGS, ids=lambda setting: setting.name)
@@ -154,6 +166,10 @@ def test_generate_takes_the_models_defaults_and_no_variables(monkeypatch):
         (["serve"], {"DDTREE_LOG_LEVEL": "loud"}, "log_level: Input should be 'critical'"),
         (["generate", "--prompt", "x", "--torch-threads", "0"], {},
          "torch_threads: Input should be greater than or equal to 1"),
+        (["serve", "--ab-split", "1.5"], {}, "ab.ab_split: Input should be less than or equal to 1"),
+        (["serve", "--shadow-budgets", "8,x"], {}, "ab.shadow_budgets: Value error, budgets must be integers"),
+        (["serve"], {"DDTREE_SHADOW_DRAFTERS": "ngram,eagle"}, "ab.shadow_drafters: Value error, unknown drafter 'eagle'"),
+        (["serve", "--shadow-drafters", "dflash:x"], {}, "ab.shadow_drafters: Value error, dflash needs"),
     ],
 )  # fmt: skip
 def test_a_bad_value_is_a_one_line_error(argv, variables, message, monkeypatch, capsys):

@@ -105,6 +105,18 @@ def create_app(
     async def metrics() -> Response:
         return server.metrics_text()
 
+    @app.get("/ddtree/report", dependencies=guarded)
+    async def ab_report() -> Response:
+        return JSONResponse(await server.ab.report())
+
+    @app.get("/ddtree/ab", dependencies=guarded)
+    async def ab_state() -> Response:
+        return JSONResponse(server.ab.state())
+
+    @app.post("/ddtree/ab", dependencies=guarded)
+    async def ab_change(request: Request) -> Response:
+        return JSONResponse(server.ab.change(await request.body()))
+
     if settings.proxy_mode:
         # Last, so that it matches only what no route above does: every other route
         # vLLM serves (/tokenize, /v1/embeddings, /v1/responses, /version, ...).

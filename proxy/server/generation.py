@@ -18,6 +18,7 @@ from typing import AsyncIterator, Callable
 from fastapi import Response
 from fastapi.responses import JSONResponse
 
+from proxy.ab.measure import RequestTiming
 from proxy.backend.base import TargetError
 from proxy.decoding import GenerationStats, stream_generate
 from proxy.output import Delta, logprob_token_strings
@@ -37,10 +38,12 @@ class Responder:
         runtime: Runtime,
         metrics: ServerMetrics,
         deadline_error: Callable[[], RequestError],
+        timing: RequestTiming | None = None,
     ):
         self.runtime = runtime
         self.metrics = metrics
         self.deadline_error = deadline_error
+        self.timing = timing  # the A/B record of what the client sees (`proxy.ab.measure`)
 
     async def _rounds(self, plan: Plan, stats: GenerationStats) -> AsyncIterator[Delta]:
         """The decoding loop, recording each round in `stats` and the metrics."""
@@ -58,6 +61,11 @@ class Responder:
                 assert done is not None
                 stats.add(done)
                 metrics.observe(done, len(delta.token_ids))
+                if self.timing is not None:
+                    self.timing.round(done)
+                    self.timing.finish_reason = delta.finish_reason
+                    if plan.stream:  # a JSON answer's tokens go out at its end
+                        self.timing.tokens(len(delta.token_ids))
                 yield delta
         finally:
             await generation.aclose()
@@ -97,6 +105,8 @@ class Responder:
         usage = usage_body(len(plan.generation.prompt_ids), len(token_ids), stats)
         out = Choice(text, token_ids, strings, logprobs, finish_reason, stop_reason)
         body = plan.writer.response(out, plan.generation.prompt_ids, usage)
+        if self.timing is not None:
+            self.timing.tokens(len(token_ids))
         return JSONResponse(body)
 
     async def stream(self, plan: Plan, deadline: float) -> ClosingStream:

@@ -29,8 +29,10 @@ from fastapi import Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from proxy.ab.measure import RequestTiming
 from proxy.backend.base import TargetError
 from proxy.runtime import Runtime, build_runtime
+from proxy.server.ab import AB, ARM_HEADER
 from proxy.server.admission import Admission
 from proxy.server.errors import RequestError, upstream_error
 from proxy.server.generation import Responder
@@ -60,6 +62,7 @@ class Handlers:
         self._owns_runtime = False
         self.metrics = ServerMetrics()
         self.admission = Admission(settings.max_active, settings.max_queue, self.metrics)
+        self.ab = AB(settings)
 
     async def start(self, transport: httpx.AsyncBaseTransport | None = None) -> None:
         """Build the runtime unless one was given (so it lives in the server's loop)."""
@@ -76,8 +79,10 @@ class Handlers:
             retries = self.metrics.upstream_retries
             upstream.on_retry = lambda kind: retries.labels(kind).inc()
             self.metrics.registry.register(UpstreamCallsCollector(upstream.num_calls))
+        await self.ab.start(self._runtime, self.metrics.registry)
 
     async def stop(self) -> None:
+        await self.ab.stop()
         if self._owns_runtime and self._runtime is not None:
             await self._runtime.aclose()
             self._runtime = None
@@ -110,10 +115,23 @@ class Handlers:
             if reason is None:
                 # A default penalty over output tokens that the request leaves in force.
                 reason = runtime.generation_defaults.passthrough_reason(body)
-            if disabled or reason is not None:
-                return await self.passthrough(
+            if reason is not None:  # outside the A/B experiment: DDTree cannot serve it
+                response = await self.passthrough(
                     request, endpoint, raw, body, reason="opt_out" if disabled else reason
                 )
+                response.headers[ARM_HEADER] = "passthrough"
+                return response
+            if self.ab.arm(request, body, disabled) == "direct":
+                label = "opt_out" if disabled else "ab_split"
+
+                async def relay_body(sent: dict[str, Any]) -> Response:
+                    same = sent is body
+                    return await self.passthrough(
+                        request, endpoint, raw if same else None, sent, reason=label
+                    )
+
+                return await self.ab.direct(relay_body, body, RequestTiming("direct"), runtime)
+        timing = RequestTiming("ddtree")
         parsed = request_model.parse(body, refuse_unknown=runtime.mode == "engine")
         if parsed.model is not None and parsed.model != runtime.model_name:
             raise RequestError(
@@ -128,7 +146,7 @@ class Handlers:
                 "has no upstream server to pass it to",
                 param=reason,
             )
-        responder = Responder(runtime, self.metrics, self._deadline_error)
+        responder = Responder(runtime, self.metrics, self._deadline_error, timing)
         release = await self.admission.acquire(deadline)
         try:
             async with asyncio.timeout_at(deadline):
@@ -141,8 +159,8 @@ class Handlers:
                 response = await responder.stream(plan, deadline)
                 response.on_close = release  # the stream holds its slot until it ends
                 release = None
-                return response
-            return await responder.complete(plan, deadline)
+                return self.ab.watch(response, timing)
+            return self.ab.watch(await responder.complete(plan, deadline), timing)
         except TargetError as exc:
             refusal = upstream_error(exc, self.metrics)
         except RequestError as exc:
@@ -206,13 +224,18 @@ class Handlers:
     # ----- pass-through -----------------------------------------------------------
 
     async def passthrough(
-        self, request: Request, endpoint: Endpoint, raw: bytes, body: dict[str, Any], reason: str
+        self,
+        request: Request,
+        endpoint: Endpoint,
+        raw: bytes | None,
+        body: dict[str, Any],
+        reason: str,
     ) -> Response:
-        """Send the request to vLLM unchanged (less our `ddtree` field); relay its answer,
-        status and body bytes, streaming included."""
+        """Send the request to vLLM unchanged (less our `ddtree` field; `raw` None: the
+        body was changed); relay its answer, status and body bytes, streaming included."""
         self.metrics.passthroughs.labels(reason).inc()
         self.metrics.requests.labels(endpoint, "passthrough").inc()
-        if "ddtree" in body:
+        if raw is None or "ddtree" in body:
             raw = json.dumps(
                 {key: value for key, value in body.items() if key != "ddtree"}
             ).encode()

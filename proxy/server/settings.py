@@ -15,6 +15,7 @@ from pydantic_settings import (
     SettingsConfigDict,
 )
 
+from proxy.ab.settings import ABSettings
 from proxy.settings import RuntimeSettings, nest, settings_of
 
 ENV_PREFIX = "DDTREE_"
@@ -44,6 +45,7 @@ class ServerSettings(RuntimeSettings, BaseSettings):
     log_level: LogLevel = Field(
         "info", description="log level of the proxy's own loggers and of uvicorn's"
     )
+    ab: ABSettings = Field(ABSettings(), description="A/B split and shadow replays")
 
     @field_validator("api_key")
     @classmethod

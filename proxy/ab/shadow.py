@@ -1,0 +1,179 @@
+"""Shadow evaluation: what other drafters and budgets would have done on the traffic
+answered directly, without serving one request differently.
+
+A finished output is all a replay needs. Each round drafts at the committed prefix and
+builds the tree exactly as a served round does (`proxy.round.draft`), then walks it
+along the tokens that really followed (`proxy.adaptive.policy.target_tokens_along`, the
+policy's shadow walker, and `proxy.tree.walk`) and commits the accepted tokens plus the
+bonus: the tokens a verification would have returned. For greedy output those are the
+target's own choices, so the acceptance lengths are exactly those a DDTree run with the
+same drafter, budget and `policy: fixed` would have had. For sampled output the real
+tokens are one draw from the target, and walking a tree along a draw accepts a node
+exactly when the target's draw at its parent equals it -- which is how a DDTree round
+accepts, node by node with the target's own draws -- so the lengths are a draw from the
+same distribution.
+
+The one difference: the last round ends with the output. Where it ended by a stop token
+or string, the real round may have accepted tokens past it; the replay cannot know
+them, and counts the round up to the end.
+
+Replays run one at a time off the request's path, from a bounded queue: under load new
+work is dropped (counted), never waited for.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import Sequence
+
+from proxy.adaptive.policy import target_tokens_along
+from proxy.decoding import TreeSettings, resolve_depth
+from proxy.drafter.base import Drafter
+from proxy.round import RoundShape, draft
+from proxy.tree import walk
+
+logger = logging.getLogger("ddtree_proxy.shadow")
+
+
+async def replay(
+    drafter: Drafter,
+    prompt_ids: Sequence[int],
+    output_ids: Sequence[int],
+    *,
+    budget: int,
+    max_depth: int,
+    max_tokens: int,
+    max_model_len: int,
+) -> tuple[list[int], int]:
+    """The acceptance length of each round a DDTree run of `drafter` at `budget` would
+    have had on this output (the loop's depth rule: at most `max_depth`, never past
+    `max_tokens` or the context), and the calls it made to a draft server."""
+    session = drafter.start(list(prompt_ids), None)
+    committed = list(prompt_ids)
+    lengths: list[int] = []
+    draft_calls = 0
+    emitted = 0
+    while emitted < len(output_ids):
+        room = max_model_len - len(committed)
+        depth = min(max_depth, max_tokens - emitted - 1, room - 1)
+        drafted = await draft(session, committed, RoundShape("ddtree", budget, depth))
+        draft_calls += drafted.draft_calls
+        actual = output_ids[emitted : emitted + max(depth, 0) + 1]
+        result = walk(drafted.tree, target_tokens_along(drafted.tree, actual))
+        num_tokens = min(result.acceptance_length, len(actual))
+        committed.extend(actual[:num_tokens])
+        session.advance(committed, None)
+        emitted += num_tokens
+        lengths.append(num_tokens)
+    return lengths, draft_calls
+
+
+@dataclass(frozen=True)
+class ShadowJob:
+    """A direct answer to replay."""
+
+    prompt_ids: list[int]
+    output_ids: list[int]
+    max_tokens: int  # the request's limit (the loop's depth rule depends on it)
+
+
+@dataclass
+class ShadowTotals:
+    requests: int = 0
+    rounds: int = 0
+    tokens: int = 0  # summed acceptance lengths
+    draft_calls: int = 0
+
+    @property
+    def tau(self) -> float:
+        return self.tokens / self.rounds if self.rounds else 0.0
+
+
+class Shadow:
+    """Replays every queued answer through each drafter x budget, one job at a time."""
+
+    def __init__(
+        self,
+        drafters: dict[str, Drafter],
+        budgets: Sequence[int],
+        depth: int | None,
+        max_queue: int,
+        max_model_len: int,
+    ):
+        self.drafters = drafters
+        self.budgets = tuple(budgets)
+        self.max_model_len = max_model_len
+        self.max_depths = {
+            name: resolve_depth(TreeSettings(depth=depth), drafter)
+            for name, drafter in drafters.items()
+        }
+        self.queue: asyncio.Queue[ShadowJob] = asyncio.Queue(max_queue)
+        self.totals = {(name, budget): ShadowTotals() for name in drafters for budget in budgets}
+        self.num_offered = 0
+        self.num_dropped = 0
+        self.num_replayed = 0
+        self.num_failed = 0
+        self._worker: asyncio.Task | None = None
+
+    def offer(self, job: ShadowJob) -> bool:
+        """Queue `job`; False (and counted) when the queue is full."""
+        self.num_offered += 1
+        try:
+            self.queue.put_nowait(job)
+        except asyncio.QueueFull:
+            self.num_dropped += 1
+            return False
+        return True
+
+    def start(self) -> None:
+        self._worker = asyncio.get_running_loop().create_task(self._run())
+
+    async def stop(self) -> None:
+        if self._worker is not None:
+            self._worker.cancel()
+            try:
+                await self._worker
+            except asyncio.CancelledError:
+                pass
+            self._worker = None
+
+    async def _run(self) -> None:
+        while True:
+            job = await self.queue.get()
+            try:
+                await self.replay_job(job)
+                self.num_replayed += 1
+            except Exception:  # a replay is advice: it must never stop the worker
+                self.num_failed += 1
+                logger.exception("shadow replay failed")
+            finally:
+                self.queue.task_done()
+
+    async def replay_job(self, job: ShadowJob) -> None:
+        for name, drafter in self.drafters.items():
+            for budget in self.budgets:
+                lengths, calls = await replay(
+                    drafter, job.prompt_ids, job.output_ids, budget=budget,
+                    max_depth=self.max_depths[name], max_tokens=job.max_tokens,
+                    max_model_len=self.max_model_len,
+                )  # fmt: skip
+                totals = self.totals[name, budget]
+                totals.requests += 1
+                totals.rounds += len(lengths)
+                totals.tokens += sum(lengths)
+                totals.draft_calls += calls
+
+    def table(self) -> list[dict]:
+        return [
+            {
+                "drafter": name,
+                "budget": budget,
+                "requests": t.requests,
+                "rounds": t.rounds,
+                "tau": round(t.tau, 4),
+                "draft_calls": t.draft_calls,
+            }  # fmt: skip
+            for (name, budget), t in self.totals.items()
+        ]

@@ -1,0 +1,340 @@
+"""The A/B split over HTTP: which arm answers a request, the arm header on every
+generation answer, each answer timed for the report and the per-arm metrics, shadow
+replays of direct answers, and the admin and report routes.
+
+Eligible requests -- those DDTree could serve -- are the experiment: the split (or a
+forced arm: `x-ddtree: on|off`, a `ddtree` field) sends each to "ddtree" or "direct"
+(pass-through). Requests DDTree cannot serve are passed through outside it (arm header
+`passthrough`, not in the report). A direct answer's body is vLLM's, byte for byte,
+except for a shadow-sampled one whose token ids the proxy asked for and took out again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+import time
+from typing import Any, AsyncIterator, Callable
+
+from fastapi import Request, Response
+
+from proxy.ab import report
+from proxy.ab.measure import ABMetrics, ArmRecords, RequestTiming
+from proxy.ab.shadow import Shadow, ShadowJob
+from proxy.ab.split import Arm, Split
+from proxy.drafter.base import Drafter
+from proxy.runtime import Runtime
+from proxy.server.errors import RequestError
+from proxy.server.settings import ServerSettings
+
+logger = logging.getLogger("ddtree_proxy.ab")
+ARM_HEADER = "x-ddtree-arm"
+KEY_HEADER = "x-ddtree-ab-key"
+# The guardrail reads the recent window at most this often (a report costs a bootstrap).
+GUARDRAIL_EVERY_S = 10.0
+
+
+class AB:
+    """The split, the records and the shadow of one server."""
+
+    def __init__(self, settings: ServerSettings, rng: random.Random | None = None):
+        self.settings = settings.ab
+        self.split = None if settings.ab.ab_split is None else Split(settings.ab.ab_split, rng)
+        self._rng = rng or random.Random()
+        self.records = ArmRecords()
+        self.metrics: ABMetrics | None = None
+        self.shadow: Shadow | None = None
+        self._owned: list[Drafter] = []
+        self._tree_depth = settings.tree.depth
+        self._proxy_mode = False
+        self._guardrail_checked = -GUARDRAIL_EVERY_S
+        self._guardrail_task: asyncio.Task | None = None
+        self.guardrail_tripped = False
+
+    async def start(self, runtime: Runtime, registry) -> None:
+        self.metrics = ABMetrics(registry, runtime.model_name, runtime.max_model_len)
+        self._proxy_mode = runtime.mode == "proxy"
+        self._show_split()
+        settings = self.settings
+        if runtime.mode == "engine" and (self.split is not None or settings.shadow > 0):
+            raise ValueError("--ab-split and --shadow need proxy mode (--target-url): "
+                             "the direct arm is the upstream vLLM")  # fmt: skip
+        if settings.shadow == 0:
+            return
+        drafters: dict[str, Drafter] = {}
+        if settings.drafter_specs:
+            assert runtime.load_drafter is not None
+            for spec in settings.drafter_specs:
+                drafters[spec] = await runtime.load_drafter(spec)
+                self._owned.append(drafters[spec])
+        elif runtime.drafter is not None:
+            drafters[runtime.drafter.name] = runtime.drafter
+        else:
+            raise ValueError("--shadow needs a drafter: --shadow-drafters, or serve with one")
+        self.shadow = Shadow(drafters, settings.budgets, self._tree_depth, settings.shadow_queue,
+                             runtime.max_model_len)  # fmt: skip
+        self.shadow.start()
+
+    async def stop(self) -> None:
+        if self.shadow is not None:
+            await self.shadow.stop()
+        for drafter in self._owned:
+            await drafter.aclose()
+
+    def _show_split(self) -> None:
+        if self.metrics is not None:
+            self.metrics.split.set(1.0 if self.split is None else self.split.share)
+
+    # ----- which arm --------------------------------------------------------------
+
+    def arm(self, request: Request, body: dict[str, Any], opted_out: bool) -> Arm:
+        """The arm of an eligible request (the header and field are validated already)."""
+        if opted_out:
+            return "direct"
+        header = request.headers.get("x-ddtree", "").strip().lower()
+        if header in ("on", "true", "1") or body.get("ddtree") is not None:
+            return "ddtree"
+        if self.split is None:
+            return "ddtree"
+        key = request.headers.get(KEY_HEADER) or body.get("user")
+        return self.split.assign(key if isinstance(key, str) else None)
+
+    def set_split(self, share: float | None) -> None:
+        if share is None:
+            self.split = None
+        elif self.split is None:
+            self.split = Split(share, self._rng)
+        else:
+            self.split.share = share
+        self._show_split()
+
+    def state(self) -> dict[str, Any]:
+        return {"split": None if self.split is None else self.split.share,
+                "guardrail": {"enabled": self.settings.ab_guardrail,
+                              "tripped": self.guardrail_tripped}}  # fmt: skip
+
+    def change(self, raw: bytes) -> dict[str, Any]:
+        """The admin route: a new split (0 stops the DDTree arm, null ends the split)."""
+        share = split_of(raw)
+        if self.metrics is None:
+            raise RequestError("server is starting", status=503, err_type="service_unavailable")
+        if share is not None and not self._proxy_mode:
+            raise RequestError("a split needs proxy mode: engine mode has no direct arm",
+                               param="split")  # fmt: skip
+        logger.warning("A/B split changed: %s -> %s", self.state()["split"], share)
+        self.set_split(share)
+        return self.state()
+
+    # ----- timing -----------------------------------------------------------------
+
+    def finish(self, timing: RequestTiming, ok: bool) -> None:
+        record = timing.record() if ok else None
+        assert self.metrics is not None
+        self.metrics.observe(timing, record)
+        if record is not None:
+            self.records.add(record)
+            self._check_guardrail()
+
+    def watch(self, response: Response, timing: RequestTiming,
+              on_chunk: Callable[[bytes], None] | None = None) -> Response:  # fmt: skip
+        """Name the arm on `response`; finish `timing` when its body has gone out
+        (`on_chunk` sees each piece first)."""
+        response.headers[ARM_HEADER] = timing.arm
+        if not hasattr(response, "body_iterator"):
+            if on_chunk is not None:
+                on_chunk(response.body)
+            self.finish(timing, response.status_code == 200)
+            return response
+        inner = response.body_iterator
+        ok = response.status_code == 200
+
+        async def body() -> AsyncIterator[bytes]:
+            complete = False
+            try:
+                async for chunk in inner:
+                    if on_chunk is not None and ok:
+                        on_chunk(chunk)
+                    yield chunk
+                complete = True
+            finally:
+                if not complete:
+                    timing.finish_reason = "abort"
+                self.finish(timing, ok and complete)
+
+        response.body_iterator = body()
+        return response
+
+    # ----- the direct arm ---------------------------------------------------------
+
+    def wants_shadow(self, body: dict[str, Any]) -> bool:
+        return (self.shadow is not None and not body.get("stream")
+                and self._rng.random() < self.settings.shadow)  # fmt: skip
+
+    async def direct(
+        self,
+        relay: Callable[[dict[str, Any]], Any],
+        body: dict[str, Any],
+        timing: RequestTiming,
+        runtime: Runtime,
+    ) -> Response:
+        """Pass `body` through (`relay`), timing its answer as it goes out; a sampled
+        JSON request asks vLLM for token ids and is queued for a shadow replay."""
+        if not self.wants_shadow(body):
+            response = await relay(body)
+            return self.watch(response, timing, _TokenCounter(timing, body.get("stream", False)))
+        asked = body.get("return_token_ids") is True
+        response = await relay(body | {"return_token_ids": True})
+        chunks = [chunk async for chunk in response.body_iterator]
+        content = b"".join(chunks)
+        headers = {name.decode("latin-1"): value.decode("latin-1")
+                   for name, value in response.raw_headers if name != b"content-length"}  # fmt: skip
+        if response.status_code == 200:
+            answer = json.loads(content)
+            self._queue_replay(answer, body, runtime)
+            if not asked:
+                content = json.dumps(_without_token_ids(answer), ensure_ascii=False,
+                                     separators=(",", ":")).encode()  # fmt: skip
+        plain = Response(content, status_code=response.status_code, headers=headers)
+        return self.watch(plain, timing, _TokenCounter(timing, False))
+
+    def _queue_replay(self, answer: dict[str, Any], body: dict[str, Any], runtime: Runtime) -> None:
+        assert self.shadow is not None
+        choice = answer["choices"][0]
+        prompt_ids = answer.get("prompt_token_ids") or choice.get("prompt_token_ids")
+        output_ids = choice.get("token_ids")
+        if not prompt_ids or not output_ids:
+            return
+        limit = body.get("max_completion_tokens") or body.get("max_tokens")
+        room = runtime.max_model_len - len(prompt_ids)
+        max_tokens = min(int(limit), room) if isinstance(limit, int) else room
+        self.shadow.offer(ShadowJob(list(prompt_ids), list(output_ids), max_tokens))
+
+    # ----- the report and the guardrail -------------------------------------------
+
+    def _report_inputs(self) -> Callable[[], dict[str, Any]]:
+        """On the event loop: a snapshot of the records; the returned call builds the
+        report from it (anywhere: its bootstraps take a moment)."""
+        records, settings, shadow = self.records, self.settings, self.shadow
+        now = records.clock()
+        since_start = records.since(records.started)
+        recent = records.since(now - settings.ab_window)
+        split = None if self.split is None else self.split.share
+        table = shadow.table() if shadow is not None else []
+        counts = None
+        if shadow is not None:
+            counts = {"offered": shadow.num_offered, "replayed": shadow.num_replayed,
+                      "dropped": shadow.num_dropped, "failed": shadow.num_failed,
+                      "queued": shadow.queue.qsize()}  # fmt: skip
+        guardrail = {"enabled": settings.ab_guardrail, "tripped": self.guardrail_tripped}
+
+        def build() -> dict[str, Any]:
+            out = report.build(
+                since_start, recent, uptime_s=now - records.started, window_s=settings.ab_window,
+                split=split, shadow=table, shadow_dropped=counts["dropped"] if counts else 0,
+            )  # fmt: skip
+            out["guardrail"] = guardrail
+            if counts is not None:
+                out["shadow_counts"] = counts
+            return out
+
+        return build
+
+    async def report(self) -> dict[str, Any]:
+        return await asyncio.to_thread(self._report_inputs())
+
+    def _check_guardrail(self) -> None:
+        """Every GUARDRAIL_EVERY_S at most, in the background: split 0 when the recent
+        window shows DDTree clearly slower (the ratio's whole interval below 1)."""
+        if not self.settings.ab_guardrail or self.split is None or self.split.share == 0:
+            return
+        now = time.monotonic()
+        if now - self._guardrail_checked < GUARDRAIL_EVERY_S:
+            return
+        self._guardrail_checked = now
+        self._guardrail_task = asyncio.get_running_loop().create_task(self._guardrail())
+
+    async def _guardrail(self) -> None:
+        recent = (await self.report())["windows"]["recent"]
+        ratio = recent["tokens_per_s_ratio"]
+        if ratio is not None and ratio[2] < 1 and self.split is not None and self.split.share > 0:
+            logger.warning("A/B guardrail: DDTree/direct tokens/s %.3g [%.3g, %.3g] over the "
+                           "recent window: split set to 0", *ratio)  # fmt: skip
+            self.set_split(0.0)
+            self.guardrail_tripped = True
+            assert self.metrics is not None
+            self.metrics.guardrail_trips.inc()
+
+
+def _without_token_ids(answer: dict[str, Any]) -> dict[str, Any]:
+    """`answer` less the ids `return_token_ids` added (top level and per choice)."""
+    out = {key: value for key, value in answer.items() if key != "prompt_token_ids"}
+    out["choices"] = [
+        {
+            key: value
+            for key, value in choice.items()
+            if key not in ("prompt_token_ids", "token_ids")
+        }
+        for choice in answer["choices"]
+    ]
+    return out
+
+
+class _TokenCounter:
+    """Counts a direct answer's tokens as its bytes go out: a JSON answer's from its
+    `usage` at the end; a stream's one per event that carries output (vLLM sends one
+    event per token when it does not speculate itself), or from the stream's `usage`
+    where the client asked for it."""
+
+    def __init__(self, timing: RequestTiming, stream: bool):
+        self.timing = timing
+        self.stream = stream
+        self.buffer = b""
+
+    def __call__(self, chunk: bytes) -> None:
+        self.buffer += chunk
+        if not self.stream:
+            return self._json_end()
+        *events, self.buffer = self.buffer.split(b"\n\n")
+        count = 0
+        for event in events:
+            if not event.startswith(b"data: ") or event == b"data: [DONE]":
+                continue
+            try:
+                data = json.loads(event[6:])
+            except json.JSONDecodeError:
+                continue
+            for choice in data.get("choices") or ():
+                if choice.get("text") or (choice.get("delta") or {}).get("content"):
+                    count += len(choice.get("token_ids") or ()) or 1
+                if choice.get("finish_reason"):
+                    self.timing.finish_reason = choice["finish_reason"]
+        self.timing.tokens(count)
+
+    def _json_end(self) -> None:
+        try:
+            data = json.loads(self.buffer)
+        except json.JSONDecodeError:
+            return  # not all of it yet
+        usage = data.get("usage") or {}
+        choices = data.get("choices") or [{}]
+        self.timing.finish_reason = choices[0].get("finish_reason")
+        self.timing.tokens(int(usage.get("completion_tokens") or 0))
+
+
+def split_of(raw: bytes) -> float | None:
+    """The admin body `{"split": F}` (F in [0, 1], or null: no split)."""
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise RequestError(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict) or "split" not in body or set(body) != {"split"}:
+        raise RequestError('send {"split": F} with F between 0 and 1, or null for no split',
+                           param="split")  # fmt: skip
+    share = body["split"]
+    if share is None:
+        return None
+    if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 <= share <= 1:
+        raise RequestError(f"split must be a number between 0 and 1, got {share!r}", param="split")
+    return float(share)

