@@ -275,3 +275,39 @@ def test_shadow_queue_drops_beyond_its_bound_and_counts():
     # round accepts all three drafted tokens plus the bonus.
     (row,) = shadow.table()
     assert (row["requests"], row["rounds"], row["tau"]) == (2, 2, 4.0)
+
+
+# --- the HTTP side in engine mode (no vLLM: the DDTree arm alone) --------------------
+
+
+def test_engine_mode_answers_name_their_arm_and_feed_report_and_metrics(target_dirs):
+    """Engine mode has no direct arm: every answer is DDTree's, timed and counted; a
+    split is refused (at start-up and at the admin route)."""
+    import httpx
+    from background_server import BackgroundServer
+
+    from proxy.server.app import create_app
+    from proxy.server.settings import ServerSettings
+
+    target_dir = str(target_dirs["t2x64"])
+    settings = ServerSettings(target=target_dir, drafter=f"autoregressive:{target_dir}",
+                              tree=TreeSettings(budget=4, depth=3))  # fmt: skip
+    with BackgroundServer(create_app(settings)) as server:
+        for n in range(4):
+            body = {"prompt": "def add(a, b):", "max_tokens": 6, "temperature": 0,
+                    "stream": n % 2 == 0}  # fmt: skip
+            response = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+            assert response.status_code == 200 and response.headers["x-ddtree-arm"] == "ddtree"
+        data = httpx.get(server.url + "/ddtree/report", timeout=60).json()
+        arms = data["windows"]["since_start"]["arms"]
+        assert (arms["ddtree"]["requests"], arms["ddtree"]["tokens"]) == (4, 24)
+        assert arms["direct"]["requests"] == 0 and data["split"] is None
+        assert data["verdict"].startswith("not enough requests yet: ddtree 4, direct 0")
+        page = Metrics(httpx.get(server.url + "/metrics").text)
+        assert page.total("ddtree:request_success_total", arm="ddtree", finished_reason="length") == 4
+        assert page.total("ddtree:request_generation_tokens_sum", arm="ddtree") == 24
+        assert page.total("ddtree:spec_decode_num_drafts_total", arm="ddtree") > 0
+        refused = httpx.post(server.url + "/ddtree/ab", json={"split": 0.5})
+        assert refused.status_code == 400 and "needs proxy mode" in refused.text
+    with pytest.raises(ValueError, match="need proxy mode"):
+        create_app(ServerSettings(target=target_dir, ab=ABSettings(ab_split=0.5)))

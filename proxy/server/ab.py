@@ -40,6 +40,9 @@ class AB:
     """The split, the records and the shadow of one server."""
 
     def __init__(self, settings: ServerSettings, rng: random.Random | None = None):
+        if not settings.proxy_mode and (settings.ab.ab_split is not None or settings.ab.shadow):
+            raise ValueError("--ab-split and --shadow need proxy mode (--target-url): the "
+                             "direct arm is the upstream vLLM")  # fmt: skip
         self.settings = settings.ab
         self.split = None if settings.ab.ab_split is None else Split(settings.ab.ab_split, rng)
         self._rng = rng or random.Random()
@@ -58,9 +61,6 @@ class AB:
         self._proxy_mode = runtime.mode == "proxy"
         self._show_split()
         settings = self.settings
-        if runtime.mode == "engine" and (self.split is not None or settings.shadow > 0):
-            raise ValueError("--ab-split and --shadow need proxy mode (--target-url): "
-                             "the direct arm is the upstream vLLM")  # fmt: skip
         if settings.shadow == 0:
             return
         drafters: dict[str, Drafter] = {}
