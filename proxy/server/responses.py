@@ -10,6 +10,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from proxy.ab.measure import speculative_decoding
 from proxy.decoding import GenerationStats
 from proxy.server.request_models import Endpoint
 
@@ -36,6 +37,7 @@ def ddtree_usage(stats: GenerationStats) -> dict[str, Any]:
         "switches_to_speculation": stats.switches_to_speculation,
         "draft_calls": stats.draft_calls,
         "draft_failures": stats.draft_failures,
+        "speculative_decoding": speculative_decoding(stats),
     }
 
 
