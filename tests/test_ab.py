@@ -9,22 +9,33 @@ import asyncio
 import functools
 import random
 
+import httpx
 import numpy as np
 import pytest
+from background_server import BackgroundServer
 from conftest import run
 from metrics import Metrics
 from prometheus_client import CollectorRegistry, generate_latest
 from scipy.stats import binom
 
 from proxy.ab import report
-from proxy.ab.measure import ABMetrics, RequestRecord, RequestTiming
+from proxy.ab.measure import ABMetrics, RequestRecord, RequestTiming, speculative_decoding
 from proxy.ab.settings import ABSettings, split_drafter_specs
 from proxy.ab.shadow import Shadow, ShadowJob, replay
 from proxy.ab.split import Split, key_point
-from proxy.decoding import GenerationRequest, TreeSettings, generate, resolve_depth
+from proxy.decoding import (
+    GenerationRequest,
+    GenerationStats,
+    TreeSettings,
+    generate,
+    resolve_depth,
+)
 from proxy.drafter import load_drafter
 from proxy.round import RoundStats
 from proxy.runtime import Runtime, load_engine, target_info
+from proxy.server.ab import AB, GUARDRAIL_EVERY_S
+from proxy.server.app import create_app
+from proxy.server.settings import ServerSettings
 
 # --- the split ----------------------------------------------------------------------
 
@@ -284,11 +295,7 @@ def test_shadow_queue_drops_beyond_its_bound_and_counts():
 def test_engine_mode_answers_name_their_arm_and_feed_report_and_metrics(target_dirs):
     """Engine mode has no direct arm: every answer is DDTree's, timed and counted; a
     split is refused (at start-up and at the admin route)."""
-    import httpx
-    from background_server import BackgroundServer
 
-    from proxy.server.app import create_app
-    from proxy.server.settings import ServerSettings
 
     target_dir = str(target_dirs["t2x64"])
     settings = ServerSettings(target=target_dir, drafter=f"autoregressive:{target_dir}",
@@ -315,8 +322,6 @@ def test_engine_mode_answers_name_their_arm_and_feed_report_and_metrics(target_d
 
 
 def test_per_request_stats_take_vllms_shape():
-    from proxy.ab.measure import speculative_decoding
-    from proxy.decoding import GenerationStats
 
     stats = GenerationStats()
     for num_tokens, num_nodes in ((3, 8), (1, 8), (2, 4)):
@@ -332,8 +337,6 @@ def test_per_request_stats_take_vllms_shape():
 def test_guardrail_stops_the_ddtree_arm_when_it_is_clearly_slower(target_dirs):
     """Scripted requests, the DDTree arm at half the direct arm's tokens/s: once the
     recent window's ratio interval lies below 1, the split drops to 0, once."""
-    from proxy.server.ab import GUARDRAIL_EVERY_S, AB
-    from proxy.server.settings import ServerSettings
 
     clock = Clock()
     settings = ServerSettings(target_url="http://127.0.0.1:9",
