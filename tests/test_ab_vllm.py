@@ -123,20 +123,27 @@ def _key_in(arm: str) -> str:
     return next(key for key in map(str, range(100)) if (key_point(key) < 0.5) == (arm == "ddtree"))
 
 
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
 @pytest.mark.parametrize("stream", [False, True])
-def test_direct_answers_are_vllms_bytes(vllm_server, ab_url, stream):
-    """Streams are relayed as they come; a JSON answer (shadow-sampled here: the proxy
-    asked for token ids and took them out) is still vLLM's, apart from id and created."""
+def test_direct_answers_are_vllms_bytes(vllm_server, ab_url, stream, endpoint):
+    """Shadow-sampled (all of them here: the proxy asked vLLM for token ids and set them
+    back to null), a direct answer is vLLM's, apart from id and created; one that asked
+    for the ids keeps them."""
+    path = "/v1/completions" if endpoint == "completions" else "/v1/chat/completions"
     for prompt in PROMPTS[:3]:
         body = _completion(vllm_server.model, prompt, stream=stream)
-        want = httpx.post(vllm_server.url + "/v1/completions", json=body, timeout=60)
-        got = httpx.post(ab_url + "/v1/completions", json=body, timeout=60, headers=OFF)
+        if endpoint == "chat":
+            body["messages"] = [{"role": "user", "content": body.pop("prompt")}]
+        want = httpx.post(vllm_server.url + path, json=body, timeout=60)
+        got = httpx.post(ab_url + path, json=body, timeout=60, headers=OFF)
+        assert want.status_code == got.status_code == 200
         assert got.headers["x-ddtree-arm"] == "direct"
         assert _without_id(got.content) == _without_id(want.content)
-        # vLLM's own answer with the ids asked for: those fields are what was taken out
-        asked = httpx.post(ab_url + "/v1/completions", json=body | {"return_token_ids": True},
-                           timeout=60, headers=OFF).text  # fmt: skip
-        assert "token_ids" in asked
+        asked = body | {"return_token_ids": True}
+        want = httpx.post(vllm_server.url + path, json=asked, timeout=60)
+        got = httpx.post(ab_url + path, json=asked, timeout=60, headers=OFF)
+        assert b'"token_ids":[' in got.content
+        assert _without_id(got.content) == _without_id(want.content)
 
 
 def test_differential_cases_through_the_split(vllm_server, ab_url):

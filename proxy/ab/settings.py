@@ -30,8 +30,8 @@ class ABSettings(BaseModel):
         0.0,
         ge=0,
         le=1,
-        description="share of non-streamed direct answers replayed through the shadow "
-        "drafters and budgets",
+        description="share of direct answers replayed through the shadow drafters and "
+        "budgets",
     )
     shadow_drafters: str | None = Field(
         None, description="drafters to replay, comma-separated (unset: the serving drafter)"

@@ -173,9 +173,8 @@ class AB:
 
     # ----- the direct arm ---------------------------------------------------------
 
-    def wants_shadow(self, body: dict[str, Any]) -> bool:
-        return (self.shadow is not None and not body.get("stream")
-                and self._rng.random() < self.settings.shadow)  # fmt: skip
+    def wants_shadow(self) -> bool:
+        return self.shadow is not None and self._rng.random() < self.settings.shadow
 
     async def direct(
         self,
@@ -185,12 +184,18 @@ class AB:
         runtime: Runtime,
     ) -> Response:
         """Pass `body` through (`relay`), timing its answer as it goes out; a sampled
-        JSON request asks vLLM for token ids and is queued for a shadow replay."""
-        if not self.wants_shadow(body):
+        request asks vLLM for token ids and is queued for a shadow replay."""
+        stream = bool(body.get("stream"))
+        if not self.wants_shadow():
             response = await relay(body)
-            return self.watch(response, timing, _TokenCounter(timing, body.get("stream", False)))
+            return self.watch(response, timing, _TokenCounter(timing, stream))
         asked = body.get("return_token_ids") is True
         response = await relay(body | {"return_token_ids": True})
+        if stream:
+            if response.status_code == 200:
+                ids = _StreamIds(asked, lambda answer: self._queue_replay(answer, body, runtime))
+                response.body_iterator = ids.relay(response.body_iterator)
+            return self.watch(response, timing, _TokenCounter(timing, True))
         chunks = [chunk async for chunk in response.body_iterator]
         content = b"".join(chunks)
         headers = {name.decode("latin-1"): value.decode("latin-1")
@@ -277,11 +282,49 @@ def _without_token_ids(answer: dict[str, Any]) -> dict[str, Any]:
     level and per choice) are null there."""
     ids = ("prompt_token_ids", "token_ids")
     out = {key: None if key in ids else value for key, value in answer.items()}
-    out["choices"] = [
-        {key: None if key in ids else value for key, value in choice.items()}
-        for choice in answer["choices"]
-    ]
+    if "choices" in answer:
+        out["choices"] = [
+            {key: None if key in ids else value for key, value in choice.items()}
+            for choice in answer["choices"]
+        ]
     return out
+
+
+class _StreamIds:
+    """A shadow-sampled stream: collects the token ids vLLM sends (prompt ids in the
+    first chunk, each chunk's new ids) and, unless the client asked for them, sets them
+    to null in each event, as vLLM writes them without `return_token_ids`."""
+
+    def __init__(self, asked: bool, done: Callable[[dict[str, Any]], None]):
+        self.asked = asked
+        self.done = done
+        self.prompt_ids: list[int] = []
+        self.output_ids: list[int] = []
+
+    async def relay(self, chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+        pending = b""
+        async for chunk in chunks:
+            *events, pending = (pending + chunk).split(b"\n\n")
+            out = b"".join(self._event(event) + b"\n\n" for event in events)
+            if out:
+                yield out
+        if pending:
+            yield pending
+        answer = {"choices": [{"token_ids": self.output_ids}], "prompt_token_ids": self.prompt_ids}
+        self.done(answer)
+
+    def _event(self, event: bytes) -> bytes:
+        if not event.startswith(b"data: {"):
+            return event
+        data = json.loads(event[6:])
+        for holder in (data, *(data.get("choices") or ())):
+            self.prompt_ids += holder.get("prompt_token_ids") or ()
+        for choice in data.get("choices") or ():
+            self.output_ids += choice.get("token_ids") or ()
+        if self.asked:
+            return event
+        data = _without_token_ids(data)
+        return b"data: " + json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode()
 
 
 class _TokenCounter:
