@@ -33,6 +33,7 @@ from proxy.decoding import (
 from proxy.drafter import load_drafter
 from proxy.round import RoundStats
 from proxy.runtime import Runtime, load_engine, target_info
+from proxy.sampling import SamplingParams
 from proxy.server.ab import AB, GUARDRAIL_EVERY_S
 from proxy.server.app import create_app
 from proxy.server.settings import ServerSettings
@@ -366,3 +367,36 @@ def test_guardrail_stops_the_ddtree_arm_when_it_is_clearly_slower(target_dirs):
     assert ab.state()["guardrail"] == {"enabled": True, "tripped": True}
     page = Metrics(generate_latest(registry).decode())
     assert page["ddtree_ab_guardrail_trips_total"] == 1 and page["ddtree_ab_split"] == 0
+
+
+def test_sampled_replays_follow_the_real_acceptance_distribution(target_dirs):
+    """Sampled output (temperature 1): acceptance lengths of real DDTree runs (seeds
+    0..N-1) and of replays of plain samples of the target (other seeds) agree: a
+    chi-square test of the two length histograms does not reject at the 0.1 % level."""
+    from scipy.stats import chi2_contingency
+
+    target_dir = str(target_dirs["t2x64"])
+    engine = _engine(target_dir)
+    drafter = load_drafter(f"autoregressive:{target_dir}",
+                           target_info(engine.target.model.config, None, engine.target.model))  # fmt: skip
+    tree = TreeSettings(budget=6, depth=4, policy="fixed")
+    prompt, max_tokens, num = [40, 41, 42, 43, 44, 45], 16, 60
+
+    async def lengths() -> tuple[list[int], list[int]]:
+        real, replayed = [], []
+        for seed in range(num):
+            sampling = SamplingParams(temperature=1.0, seed=seed)
+            request = GenerationRequest(prompt, max_tokens, sampling, tree=tree, ignore_eos=True)
+            real += (await generate(engine.target, drafter, request, engine.detokenizer())).stats.acceptance_lengths
+            plain = GenerationRequest(prompt, max_tokens, SamplingParams(temperature=1.0, seed=num + seed),
+                                      tree=TreeSettings(kind="none"), ignore_eos=True)  # fmt: skip
+            output = (await generate(engine.target, None, plain, engine.detokenizer())).token_ids
+            replayed += (await replay(drafter, prompt, output, budget=6, max_depth=4,
+                                      max_tokens=max_tokens, max_model_len=engine.max_model_len))[0]  # fmt: skip
+        return real, replayed
+
+    real, replayed = run(lengths())
+    table = np.array([np.bincount(real, minlength=6)[1:6], np.bincount(replayed, minlength=6)[1:6]])
+    table = table[:, table.sum(axis=0) > 0]
+    assert table.shape[1] >= 3, table  # lengths of several sizes: the test can tell them apart
+    assert chi2_contingency(table).pvalue > 0.001, table
