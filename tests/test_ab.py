@@ -149,6 +149,20 @@ def test_same_arms_show_no_clear_difference_and_few_requests_no_ratio():
     assert built["verdict"].startswith("not enough requests yet: ddtree 3, direct 300")
 
 
+def test_the_verdict_names_the_best_predicted_shadow_pair():
+    rng = np.random.default_rng(6)
+    arms = {arm: _records(arm, rng.lognormal(4, 0.2, 30)) for arm in ("ddtree", "direct")}
+    rows = [{"drafter": "ngram", "budget": b, "requests": 9, "rounds": 30, "tau": tau,
+             "predicted_ratio": ratio, "cost_source": "ddtree arm's rounds"}
+            for b, tau, ratio in ((4, 2.0, 1.1), (16, 2.6, 0.9))]  # fmt: skip
+    built = report.build(arms, arms, uptime_s=1, window_s=1, split=0.5, shadow=rows, shadow_dropped=3)
+    assert built["verdict"].endswith("shadow: ngram B=4 predicted best (1.10x direct's decode rate, tau 2.00)")
+    assert "| ngram | 16 | 9 | 30 | 2.600 | 0.9x | ddtree arm's rounds |" in report.format_report(built)
+    unpredicted = [row | {"predicted_ratio": None} for row in rows]
+    built = report.build(arms, arms, uptime_s=1, window_s=1, split=0.5, shadow=unpredicted, shadow_dropped=0)
+    assert built["verdict"].endswith("shadow: ngram B=16 accepts most (tau 2.60)")
+
+
 def test_plot_names_the_missing_extra_or_writes_a_png(tmp_path, monkeypatch):
     rng = np.random.default_rng(5)
     arms = {arm: _records(arm, rng.lognormal(4, 0.2, 30)) for arm in ("ddtree", "direct")}
@@ -260,9 +274,9 @@ def test_shadow_replay_equals_the_rounds_of_a_real_run(
     for max_tokens, prompt in zip((17, 30, 9), _prompts(), strict=True):
         request = GenerationRequest(prompt, max_tokens=max_tokens, tree=tree, ignore_eos=True)
         real = run(generate(engine.target, drafter, request, engine.detokenizer()))
-        lengths, _ = run(replay(drafter, prompt, real.token_ids, budget=budget,
-                                max_depth=resolve_depth(tree, drafter), max_tokens=max_tokens,
-                                max_model_len=engine.max_model_len))  # fmt: skip
+        lengths = run(replay(drafter, prompt, real.token_ids, budget=budget,
+                             max_depth=resolve_depth(tree, drafter), max_tokens=max_tokens,
+                             max_model_len=engine.max_model_len)).acceptance_lengths  # fmt: skip
         assert lengths == real.stats.acceptance_lengths
         assert sum(lengths) == len(real.token_ids) == max_tokens
         replayed += lengths
@@ -288,6 +302,13 @@ def test_shadow_queue_drops_beyond_its_bound_and_counts():
     # round accepts all three drafted tokens plus the bonus.
     (row,) = shadow.table()
     assert (row["requests"], row["rounds"], row["tau"]) == (2, 2, 4.0)
+    assert row["predicted_tokens_per_s"] is None  # no verification cost known
+    # With a cost: tau over the predicted seconds of a round of this tree's size.
+    calls = []
+    (row,) = shadow.table(lambda num_prompts, computed: calls.append((num_prompts, computed)) or 0.5)
+    assert row["predicted_tokens_per_s"] == 8.0
+    ((num_prompts, computed),) = calls
+    assert 4 >= num_prompts - 1 >= 3 and computed >= num_prompts * 4  # 3+ nodes, each past tau
 
 
 # --- the HTTP side in engine mode (no vLLM: the DDTree arm alone) --------------------
@@ -392,7 +413,7 @@ def test_sampled_replays_follow_the_real_acceptance_distribution(target_dirs):
                                       tree=TreeSettings(kind="none"), ignore_eos=True)  # fmt: skip
             output = (await generate(engine.target, None, plain, engine.detokenizer())).token_ids
             replayed += (await replay(drafter, prompt, output, budget=6, max_depth=4,
-                                      max_tokens=max_tokens, max_model_len=engine.max_model_len))[0]  # fmt: skip
+                                      max_tokens=max_tokens, max_model_len=engine.max_model_len)).acceptance_lengths  # fmt: skip
         return real, replayed
 
     real, replayed = run(lengths())

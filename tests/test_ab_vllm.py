@@ -195,12 +195,12 @@ def test_shadow_replays_equal_real_proxy_rounds(vllm_server, ab_url, drafter_spe
                         real = await generate(runtime.target, runtime.drafter, request,
                                               runtime.detokenizer(), runtime.policy)  # fmt: skip
                         assert real.token_ids == output_ids  # lossless: vLLM's greedy output
-                        replayed, _ = await replay(
+                        replayed = await replay(
                             runtime.drafter, prompt_ids, output_ids, budget=budget,
                             max_depth=resolve_depth(tree, runtime.drafter),
                             max_tokens=MAX_TOKENS, max_model_len=runtime.max_model_len,
                         )  # fmt: skip
-                        assert replayed == real.stats.acceptance_lengths, (spec, budget)
+                        assert replayed.acceptance_lengths == real.stats.acceptance_lengths, (spec, budget)
                         lengths.setdefault((spec, budget), []).append(real.stats.acceptance_lengths)
             finally:
                 await runtime.aclose()

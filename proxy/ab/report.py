@@ -124,12 +124,15 @@ def verdict(since_start: dict[str, Any], shadow: list[dict[str, Any]]) -> str:
             f"DDTree {value:.2f}x [{low:.2f}, {high:.2f}] per-request tokens/s over "
             f"{total:,} requests: {call}"
         )
+    predicted = [row for row in shadow if row.get("predicted_ratio") is not None]
     replayed = [row for row in shadow if row["rounds"]]
-    if replayed:
+    if predicted:
+        best = max(predicted, key=lambda row: row["predicted_ratio"])
+        line += (f"; shadow: {best['drafter']} B={best['budget']} predicted best "
+                 f"({best['predicted_ratio']:.2f}x direct's decode rate, tau {best['tau']:.2f})")  # fmt: skip
+    elif replayed:
         best = max(replayed, key=lambda row: row["tau"])
-        line += (
-            f"; shadow: {best['drafter']} B={best['budget']} accepts most (tau {best['tau']:.2f})"
-        )
+        line += f"; shadow: {best['drafter']} B={best['budget']} accepts most (tau {best['tau']:.2f})"
     return line
 
 
@@ -181,12 +184,15 @@ def format_report(report: dict[str, Any]) -> str:
                 f"ddtree/direct median tokens/s: {ratio[0]:.3g}x [{ratio[1]:.3g}, {ratio[2]:.3g}]"
             )
     if report["shadow"]:
-        lines += ["", "shadow replays (direct answers)", "| drafter | budget | requests | rounds | tau |",
-                  "|---|---|---|---|---|"]  # fmt: skip
+        lines += ["", "shadow replays (direct answers)",
+                  "| drafter | budget | requests | rounds | tau | predicted x direct | cost source |",
+                  "|---|---|---|---|---|---|---|"]  # fmt: skip
         for row in report["shadow"]:
+            ratio = row.get("predicted_ratio")
             lines.append(
                 f"| {row['drafter']} | {row['budget']} | {row['requests']} | {row['rounds']} "
-                f"| {row['tau']:.3f} |"
+                f"| {row['tau']:.3f} | {'-' if ratio is None else f'{ratio:.3g}x'} "
+                f"| {row.get('cost_source', '-')} |"
             )
         lines.append(f"dropped (queue full): {report['shadow_dropped']}")
     lines += ["", report["verdict"]]

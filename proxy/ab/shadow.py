@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
-from typing import Sequence
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
 
 from proxy.adaptive.policy import target_tokens_along
 from proxy.decoding import TreeSettings, resolve_depth
@@ -35,6 +35,18 @@ from proxy.round import RoundShape, draft
 from proxy.tree import walk
 
 logger = logging.getLogger("ddtree_proxy.shadow")
+# (prompts per round, tokens computed per round) -> predicted seconds of a round
+RoundCost = Callable[[float, float], float]
+
+
+@dataclass
+class Replay:
+    """The rounds a DDTree run would have had on one output."""
+
+    acceptance_lengths: list[int] = field(default_factory=list)  # per round
+    num_nodes: list[int] = field(default_factory=list)  # per round: the tree's nodes
+    path_tokens: list[int] = field(default_factory=list)  # per round: its nodes' depths, summed
+    draft_calls: int = 0  # calls to a draft server (served drafters)
 
 
 async def replay(
@@ -46,28 +58,30 @@ async def replay(
     max_depth: int,
     max_tokens: int,
     max_model_len: int,
-) -> tuple[list[int], int]:
-    """The acceptance length of each round a DDTree run of `drafter` at `budget` would
-    have had on this output (the loop's depth rule: at most `max_depth`, never past
-    `max_tokens` or the context), and the calls it made to a draft server."""
+) -> Replay:
+    """The rounds a DDTree run of `drafter` at `budget` would have had on this output
+    (the loop's depth rule: at most `max_depth`, never past `max_tokens` or the
+    context)."""
     session = drafter.start(list(prompt_ids), None)
     committed = list(prompt_ids)
-    lengths: list[int] = []
-    draft_calls = 0
+    out = Replay()
     emitted = 0
     while emitted < len(output_ids):
         room = max_model_len - len(committed)
         depth = min(max_depth, max_tokens - emitted - 1, room - 1)
         drafted = await draft(session, committed, RoundShape("ddtree", budget, depth))
-        draft_calls += drafted.draft_calls
+        tree = drafted.tree
         actual = output_ids[emitted : emitted + max(depth, 0) + 1]
-        result = walk(drafted.tree, target_tokens_along(drafted.tree, actual))
+        result = walk(tree, target_tokens_along(tree, actual))
         num_tokens = min(result.acceptance_length, len(actual))
         committed.extend(actual[:num_tokens])
         session.advance(committed, None)
         emitted += num_tokens
-        lengths.append(num_tokens)
-    return lengths, draft_calls
+        out.acceptance_lengths.append(num_tokens)
+        out.num_nodes.append(tree.num_nodes)
+        out.path_tokens.append(int(tree.depths.sum()))
+        out.draft_calls += drafted.draft_calls
+    return out
 
 
 @dataclass(frozen=True)
@@ -84,11 +98,21 @@ class ShadowTotals:
     requests: int = 0
     rounds: int = 0
     tokens: int = 0  # summed acceptance lengths
+    nodes: int = 0  # summed tree nodes
+    path_tokens: int = 0  # summed node depths
     draft_calls: int = 0
 
     @property
     def tau(self) -> float:
         return self.tokens / self.rounds if self.rounds else 0.0
+
+    def add(self, replayed: Replay) -> None:
+        self.requests += 1
+        self.rounds += len(replayed.acceptance_lengths)
+        self.tokens += sum(replayed.acceptance_lengths)
+        self.nodes += sum(replayed.num_nodes)
+        self.path_tokens += sum(replayed.path_tokens)
+        self.draft_calls += replayed.draft_calls
 
 
 class Shadow:
@@ -154,26 +178,29 @@ class Shadow:
     async def replay_job(self, job: ShadowJob) -> None:
         for name, drafter in self.drafters.items():
             for budget in self.budgets:
-                lengths, calls = await replay(
+                replayed = await replay(
                     drafter, job.prompt_ids, job.output_ids, budget=budget,
                     max_depth=self.max_depths[name], max_tokens=job.max_tokens,
                     max_model_len=self.max_model_len,
                 )  # fmt: skip
-                totals = self.totals[name, budget]
-                totals.requests += 1
-                totals.rounds += len(lengths)
-                totals.tokens += sum(lengths)
-                totals.draft_calls += calls
+                self.totals[name, budget].add(replayed)
 
-    def table(self) -> list[dict]:
-        return [
-            {
-                "drafter": name,
-                "budget": budget,
-                "requests": t.requests,
-                "rounds": t.rounds,
-                "tau": round(t.tau, 4),
-                "draft_calls": t.draft_calls,
-            }  # fmt: skip
-            for (name, budget), t in self.totals.items()
-        ]
+    def table(self, round_seconds: RoundCost | None = None) -> list[dict]:
+        """One row per drafter x budget; with `round_seconds` (the predicted seconds of
+        a round verifying n prompts with c tokens to compute), the predicted tokens per
+        second of its rounds."""
+        rows = []
+        for (name, budget), t in self.totals.items():
+            row = {"drafter": name, "budget": budget, "requests": t.requests, "rounds": t.rounds,
+                   "tau": round(t.tau, 4), "draft_calls": t.draft_calls,
+                   "predicted_tokens_per_s": None}  # fmt: skip
+            if round_seconds is not None and t.rounds:
+                num_prompts = 1 + t.nodes / t.rounds
+                # Every prompt recomputes the previous round's tokens (tau on average),
+                # plus its own path.
+                computed = num_prompts * t.tau + t.path_tokens / t.rounds
+                seconds = round_seconds(num_prompts, computed)
+                if seconds > 0:
+                    row["predicted_tokens_per_s"] = round(t.tau / seconds, 2)
+            rows.append(row)
+        return rows

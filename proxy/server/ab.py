@@ -18,12 +18,14 @@ import random
 import time
 from typing import Any, AsyncIterator, Callable
 
+import numpy as np
 from fastapi import Request, Response
 
 from proxy.ab import report
-from proxy.ab.measure import ABMetrics, ArmRecords, RequestTiming
+from proxy.ab.measure import ABMetrics, ArmRecords, RequestRecord, RequestTiming
 from proxy.ab.shadow import Shadow, ShadowJob
 from proxy.ab.split import Arm, Split
+from proxy.adaptive.policy import Policy
 from proxy.drafter.base import Drafter
 from proxy.runtime import Runtime
 from proxy.server.errors import RequestError
@@ -57,6 +59,7 @@ class AB:
         self._owned: list[Drafter] = []
         self._tree_depth = settings.tree.depth
         self._proxy_mode = False
+        self._policy: Policy | None = None
         self._guardrail_checked = -GUARDRAIL_EVERY_S
         self._guardrail_task: asyncio.Task | None = None
         self.guardrail_tripped = False
@@ -64,6 +67,7 @@ class AB:
     async def start(self, runtime: Runtime, registry) -> None:
         self.metrics = ABMetrics(registry, runtime.model_name, runtime.max_model_len)
         self._proxy_mode = runtime.mode == "proxy"
+        self._policy = runtime.policy
         self._show_split()
         settings = self.settings
         if settings.shadow == 0:
@@ -231,7 +235,7 @@ class AB:
         since_start = records.since(records.started)
         recent = records.since(now - settings.ab_window)
         split = None if self.split is None else self.split.share
-        table = shadow.table() if shadow is not None else []
+        table = self._shadow_table(since_start["direct"]) if shadow is not None else []
         counts = None
         if shadow is not None:
             counts = {"offered": shadow.num_offered, "replayed": shadow.num_replayed,
@@ -250,6 +254,30 @@ class AB:
             return out
 
         return build
+
+    def _shadow_table(self, direct: list[RequestRecord]) -> list[dict[str, Any]]:
+        """The shadow's rows; where the DDTree arm's rounds have fitted the upstream's
+        verification cost (the adaptive policy's fit), each pair's predicted tokens/s
+        and its ratio to the direct arm's decode rate (1 / median inter-token latency)."""
+        assert self.shadow is not None
+        policy = self._policy
+        itls = [r.itl_s for r in direct if r.itl_s is not None]
+        if policy is None or policy.calls.num_rows == 0 or not itls:
+            rows = self.shadow.table()
+            source = "none: no DDTree rounds measured" if itls else "none: no direct answers"
+            return [row | {"predicted_ratio": None, "cost_source": source} for row in rows]
+        overhead = policy.overhead.ratio() or 0.0
+
+        def round_seconds(num_prompts: float, computed_tokens: float) -> float:
+            return float(policy.calls.seconds(num_prompts, computed_tokens)) + overhead
+
+        direct_itl = float(np.median(itls))
+        rows = []
+        for row in self.shadow.table(round_seconds):
+            rate = row["predicted_tokens_per_s"]
+            ratio = None if rate is None else round(rate * direct_itl, 3)
+            rows.append(row | {"predicted_ratio": ratio, "cost_source": "ddtree arm's rounds"})
+        return rows
 
     async def report(self) -> dict[str, Any]:
         return await asyncio.to_thread(self._report_inputs())
