@@ -144,6 +144,7 @@ def test_completions_greedy_equal_generate(client, reference, ddtree):
             "switches_to_speculation",
             "draft_calls",
             "draft_failures",
+            "speculative_decoding",
         }
         assert stats["upstream_calls"] == 0  # engine mode: no upstream
         assert stats["plain_tokens"] == 0  # engine mode: nothing to stream from
