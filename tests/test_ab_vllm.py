@@ -112,7 +112,7 @@ def test_keys_forced_arms_and_the_arm_header(vllm_server, ab_url):
                              headers=OFF | {"x-ddtree-ab-key": _key_in("ddtree")}),
         "ddtree": httpx.post(ab_url + "/v1/completions", json=body | {"ddtree": {"budget": 4}},
                              timeout=60, headers={"x-ddtree-ab-key": _key_in("direct")}),
-        "passthrough": httpx.post(ab_url + "/v1/completions", json=body | {"n": 2}, timeout=60),
+        "passthrough": httpx.post(ab_url + "/v1/completions", json=body | {"presence_penalty": 0.5}, timeout=60),
     }  # fmt: skip
     for arm, response in forced.items():
         assert response.status_code == 200 and response.headers["x-ddtree-arm"] == arm
