@@ -29,6 +29,19 @@ RATIOS = {
     "new": ("direct", "passthrough", "old", "fixed"),
 }
 PLOT = "adaptive_vs_direct.png"
+# Bootstrap resamples for a ratio's 95% interval: 2,000 puts the percentiles' own
+# resampling error well under the width of intervals over 5-9 repetitions.
+RESAMPLES = 2000
+
+
+def median_interval(ratios: np.ndarray, seed: int = 0) -> tuple[float, float]:
+    """95% bootstrap percentile interval of the median of per-repetition ratios (resampled
+    repetitions, a fixed seed so that a report regenerates identically). On a host as noisy
+    as this one the interval, not the median, says whether a row clears a bar."""
+    rng = np.random.default_rng(seed)
+    picks = rng.integers(0, len(ratios), size=(RESAMPLES, len(ratios)))
+    low, high = np.percentile(np.median(ratios[picks], axis=1), [2.5, 97.5])
+    return float(low), float(high)
 
 
 def summarize(cell: dict, runs: dict[str, list[dict]]) -> list[dict]:
@@ -37,7 +50,7 @@ def summarize(cell: dict, runs: dict[str, list[dict]]) -> list[dict]:
     configuration is running (concurrent requests taken one at a time, not batched), and
     a ratio of medians would let it decide a row. A configuration that ran in fewer
     repetitions (the fixed budget, `--fixed-reps`) ran in the first ones: its ratios pair
-    those."""
+    those. Each ratio comes with its 95% interval (`median_interval`)."""
     rates = {
         config: np.asarray([run["tokens_per_s"] for run in mine]) for config, mine in runs.items()
     }
@@ -47,7 +60,9 @@ def summarize(cell: dict, runs: dict[str, list[dict]]) -> list[dict]:
         for base in RATIOS[config]:
             if base in rates:
                 num = min(len(rates[config]), len(rates[base]))
-                row[f"vs_{base}"] = float(np.median(rates[config][:num] / rates[base][:num]))
+                ratios = rates[config][:num] / rates[base][:num]
+                row[f"vs_{base}"] = float(np.median(ratios))
+                row[f"vs_{base}_interval"] = median_interval(ratios)
         rows.append(row | totals(mine) | {"runs": mine})
     return rows
 
@@ -94,6 +109,14 @@ def _fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
+def _ratio(row: dict, base: str) -> str:
+    """A row's ratio to `base` with its 95% interval, e.g. `0.96 [0.87, 1.04]`."""
+    if row.get(f"vs_{base}") is None:
+        return "-"
+    low, high = row[f"vs_{base}_interval"]
+    return f"{row[f'vs_{base}']:.2f} [{low:.2f}, {high:.2f}]"
+
+
 def _range(values: list[float | None], spec: str) -> str:
     present = [value for value in values if value is not None]
     return f"{min(present):{spec}}-{max(present):{spec}}" if present else "-"
@@ -118,6 +141,8 @@ def markdown(report: dict) -> str:
         "",
     ]
     if report.get("rows"):
+        lines += ["Ratios: the median of the ratios within each repetition, [its 95% bootstrap "
+                  "interval over repetitions].", ""]
         lines += ["| upstream | prompts | clients | client | config | tok/s | vs direct "
                   "| vs pass-through | new / old | new / fixed | tau | plain share "
                   "| engine steps | proxy CPU ms/token | late |",
@@ -125,9 +150,9 @@ def markdown(report: dict) -> str:
         for row in report["rows"]:
             lines.append(
                 f"| {row['upstream']} | {row['prompts']} | {row['concurrency']} | {row['client']} "
-                f"| {row['config']} | {row['tokens_per_s']:.1f} | {_fmt(row.get('vs_direct'), '.2f')} "
-                f"| {_fmt(row.get('vs_passthrough'), '.2f')} | {_fmt(row.get('vs_old'), '.2f')} "
-                f"| {_fmt(row.get('vs_fixed'), '.2f')} | {_fmt(row['tau'], '.2f')} "
+                f"| {row['config']} | {row['tokens_per_s']:.1f} | {_ratio(row, 'direct')} "
+                f"| {_ratio(row, 'passthrough')} | {_ratio(row, 'old')} "
+                f"| {_ratio(row, 'fixed')} | {_fmt(row['tau'], '.2f')} "
                 f"| {_fmt(row['plain_share'], '.2f')} "
                 f"| {_range([run['engine_steps'] for run in row['runs']], '.0f')} "
                 f"| {_cpu_range(row)} | {_fmt(row['late_share'], '.2f')} |"
@@ -174,7 +199,8 @@ def cells(rows: list[dict]) -> list[dict[str, dict]]:
 def readme_table(rows: list[dict]) -> str:
     """One line per cell: the README's table (tests/test_readme.py holds it to this)."""
     lines = ["| upstream | prompts | clients | client | direct tok/s | pass-through / direct "
-             "| fixed B=8 / direct | old / direct | new / direct | new / old | new / fixed "
+             "| fixed B=8 / direct | old / direct | new / direct [95%] | new / old [95%] "
+             "| new / fixed "
              "| new: plain share |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for cell in cells(rows):
@@ -184,8 +210,8 @@ def readme_table(rows: list[dict]) -> str:
             f"| {direct['upstream']} | {direct['prompts']} | {direct['concurrency']} "
             f"| {direct['client']} | {direct['tokens_per_s']:.0f} "
             f"| {cell['passthrough']['vs_direct']:.2f} | {cell['fixed']['vs_direct']:.2f} "
-            f"| {_fmt(old.get('vs_direct'), '.2f')} | **{new['vs_direct']:.2f}** "
-            f"| {_fmt(new.get('vs_old'), '.2f')} | {new['vs_fixed']:.2f} "
+            f"| {_fmt(old.get('vs_direct'), '.2f')} | **{_ratio(new, 'direct')}** "
+            f"| {_ratio(new, 'old')} | {new['vs_fixed']:.2f} "
             f"| {_fmt(new['plain_share'], '.2f')} |"
         )
     return "\n".join(lines) + "\n"

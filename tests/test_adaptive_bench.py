@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from benchmarks import adaptive_report as report
@@ -106,14 +107,28 @@ def test_markdown_and_readme_table():
     table = report.markdown(_report(rows, old_tree))
     assert "old: /tmp/old-tree at def5678" in table
     assert (
-        "| vllm | code | 4 | stream | new | 120.0 | 1.20 | 1.33 | 1.33 | 2.45 | 4.00 | 0.33 "
-        "| 50-50 | 5.00-5.00 | - |"
+        "| vllm | code | 4 | stream | new | 120.0 | 1.20 [1.20, 1.50] | 1.33 [1.26, 1.58] "
+        "| 1.33 [1.33, 1.67] | 2.45 [2.40, 2.50] | 4.00 | 0.33 | 50-50 | 5.00-5.00 | - |"
     ) in table
     assert "| vllm | code | 4 | stream | - | new | decision=plain,reason=slow: 3 |" in table
     readme = report.readme_table(rows)
     assert readme.splitlines()[2] == (
-        "| vllm | code | 4 | stream | 100 | 0.95 | 0.55 | 0.90 | **1.20** | 1.33 | 2.45 | 0.33 |"
+        "| vllm | code | 4 | stream | 100 | 0.95 | 0.55 | 0.90 | **1.20 [1.20, 1.50]** "
+        "| 1.33 [1.33, 1.67] | 2.45 | 0.33 |"
     )
+
+
+def test_median_interval():
+    # Repetitions that agree leave no doubt; ones that do not give an interval around
+    # their median that is as wide as their spread allows, the same on every call.
+    assert report.median_interval(np.full(9, 0.97)) == (0.97, 0.97)
+    ratios = np.array([0.80, 0.90, 0.95, 0.97, 1.00, 1.02, 1.05, 1.10, 1.30])
+    low, high = report.median_interval(ratios)
+    assert 0.80 <= low < np.median(ratios) < high <= 1.30
+    assert (low, high) == report.median_interval(ratios)
+    # Resampled medians of 9 repetitions stay within the 2nd..8th order statistics
+    # but for a share of resamples far below 2.5%.
+    assert low >= 0.90 and high <= 1.10
 
 
 def test_report_without_old_tree_says_so():
@@ -123,7 +138,7 @@ def test_report_without_old_tree_says_so():
                              "client": "json"}, runs)  # fmt: skip
     assert "vs_old" not in rows[-1]
     assert "old: not run (no --old-tree)" in report.markdown(_report(rows, None))
-    assert report.readme_table(rows).splitlines()[2].split(" | ")[7:10] == ["-", "**1.20**", "-"]
+    assert report.readme_table(rows).splitlines()[2].split(" | ")[7:10] == ["-", "**1.20 [1.20, 1.50]**", "-"]
 
 
 def test_plot(tmp_path):
