@@ -30,7 +30,7 @@ from proxy.decoding import (
     generate,
     resolve_depth,
 )
-from proxy.drafter import load_drafter
+from proxy.drafter import DraftError, load_drafter
 from proxy.round import RoundStats
 from proxy.runtime import Runtime, load_engine, target_info
 from proxy.sampling import SamplingParams
@@ -421,3 +421,44 @@ def test_sampled_replays_follow_the_real_acceptance_distribution(target_dirs):
     table = table[:, table.sum(axis=0) > 0]
     assert table.shape[1] >= 3, table  # lengths of several sizes: the test can tell them apart
     assert chi2_contingency(table).pvalue > 0.001, table
+
+
+class _SlowSession:
+    """A draft that takes 20 ms and then fails (the round goes on with the root alone)."""
+
+    draft_calls = 0
+
+    async def propose(self, committed, depth, top_k):
+        await asyncio.sleep(0.02)
+        raise DraftError("slow", "timeout")
+
+    def advance(self, committed, target_features) -> None:
+        return None
+
+
+class _SlowDrafter:
+    name = "slow"
+    max_depth = None
+
+    def start(self, prompt_ids, prompt_features) -> _SlowSession:
+        return _SlowSession()
+
+
+def test_the_replay_worker_paces_itself():
+    """A replay of 4 rounds takes ~80 ms; busy 5 % of the time, the worker then rests 19
+    times as long, so half a second sees one replay while the queue keeps the rest."""
+
+    async def scenario():
+        shadow = Shadow({"slow": _SlowDrafter()}, (4,), None, max_queue=8, max_model_len=512,
+                        busy_share=ABSettings().shadow_busy)  # fmt: skip
+        for _ in range(5):
+            shadow.offer(ShadowJob([1, 2, 3], [4, 5, 6, 7], max_tokens=4))
+        shadow.start()
+        await asyncio.sleep(0.5)
+        counts = (shadow.num_replayed, shadow.queue.qsize())
+        await shadow.stop()
+        return counts, shadow.table()
+
+    (replayed, queued), (row,) = run(scenario())
+    assert (replayed, queued) == (1, 4)
+    assert (row["rounds"], row["tau"]) == (4, 1.0)  # no draft: one token per round

@@ -3,7 +3,7 @@ the arm header, forced arms, the direct arm's bytes, the admin and report routes
 metrics page, a differential run through the split, and shadow replays against real
 proxy runs (ngram and autoregressive drafters, `policy: fixed`).
 
-One A/B proxy (split 0.5, shadow 100 %) serves the module, a second one with an API key
+One A/B proxy (split 0.5, shadow 100 %, replays unpaced) serves the module, a second one with an API key
 the access checks; requests are short and greedy so that the module stays quick on 2
 cores.
 """
@@ -62,7 +62,8 @@ def ab_url(vllm_server, drafter_specs):
         tokenizer=str(vllm_server.model_dir),
         tree=TreeSettings(budget=8, depth=DEPTH),
         ab=ABSettings(ab_split=0.5, shadow=1.0, shadow_drafters=",".join(drafter_specs),
-                      shadow_budgets=",".join(map(str, BUDGETS)), shadow_queue=256),  # fmt: skip
+                      shadow_budgets=",".join(map(str, BUDGETS)), shadow_queue=256,
+                      shadow_busy=1.0),  # fmt: skip
         log_level="warning",
     )
     with BackgroundServer(create_app(settings)) as server:

@@ -31,6 +31,7 @@ FORMATTED = {
     "shadow": "0.25",
     "shadow_drafters": "ngram",
     "shadow_budgets": "2,32",
+    "shadow_busy": "0.5",
 }
 # The nested models whose fields are flat settings, by the field that holds each.
 NESTED = {"tree": TreeSettings, "ab": ABSettings}

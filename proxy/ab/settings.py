@@ -37,6 +37,13 @@ class ABSettings(BaseModel):
         None, description="drafters to replay, comma-separated (unset: the serving drafter)"
     )
     shadow_budgets: str = Field("4,8,16", description="comma-separated budgets to replay")
+    shadow_busy: float = Field(
+        0.05,
+        gt=0,
+        le=1,
+        description="share of the time replays may take (their CPU is taken from a local "
+        "upstream; 0.05 replays every answer of one client)",
+    )
     shadow_queue: int = Field(
         64, ge=1, description="answers waiting for a replay; beyond it, dropped (counted)"
     )

@@ -17,14 +17,16 @@ The one difference: the last round ends with the output. Where it ended by a sto
 or string, the real round may have accepted tokens past it; the replay cannot know
 them, and counts the round up to the end.
 
-Replays run one at a time off the request's path, from a bounded queue: under load new
-work is dropped (counted), never waited for.
+Replays run one at a time off the request's path, from a bounded queue, busy at most
+a set share of the time (`--shadow-busy`: replays run on the proxy's host, whose cores
+a local upstream also uses): under load new work is dropped (counted), never waited for.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -125,10 +127,12 @@ class Shadow:
         depth: int | None,
         max_queue: int,
         max_model_len: int,
+        busy_share: float = 1.0,
     ):
         self.drafters = drafters
         self.budgets = tuple(budgets)
         self.max_model_len = max_model_len
+        self.busy_share = busy_share  # of wall time the worker may spend replaying
         self.max_depths = {
             name: resolve_depth(TreeSettings(depth=depth), drafter)
             for name, drafter in drafters.items()
@@ -166,6 +170,7 @@ class Shadow:
     async def _run(self) -> None:
         while True:
             job = await self.queue.get()
+            start = time.perf_counter()
             try:
                 await self.replay_job(job)
                 self.num_replayed += 1
@@ -174,6 +179,9 @@ class Shadow:
                 logger.exception("shadow replay failed")
             finally:
                 self.queue.task_done()
+            # Paced: busy at most busy_share of the time; meanwhile the queue fills and
+            # new work is dropped.
+            await asyncio.sleep((time.perf_counter() - start) * (1 / self.busy_share - 1))
 
     async def replay_job(self, job: ShadowJob) -> None:
         for name, drafter in self.drafters.items():

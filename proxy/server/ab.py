@@ -83,7 +83,7 @@ class AB:
         else:
             raise ValueError("--shadow needs a drafter: --shadow-drafters, or serve with one")
         self.shadow = Shadow(drafters, settings.budgets, self._tree_depth, settings.shadow_queue,
-                             runtime.max_model_len)  # fmt: skip
+                             runtime.max_model_len, settings.shadow_busy)  # fmt: skip
         self.shadow.start()
 
     async def stop(self) -> None:
