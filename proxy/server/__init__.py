@@ -12,6 +12,7 @@
 | `errors` | OpenAI-style errors, and the client's view of an upstream failure |
 | `admission` | the admission queue (429) and streams that hold their slot |
 | `metrics` | Prometheus metrics |
+| `ab` | the A/B split over HTTP: arm header, timing each answer, shadow sampling, admin and report routes |
 | `settings` | `ServerSettings` (CLI flags and DDTREE_* variables) |
 
 Nothing is imported here: the command line reads `settings` without loading the HTTP
