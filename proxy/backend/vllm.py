@@ -431,6 +431,7 @@ class VLLMSession:
         self.sampling_fields = options.sampling_fields
         self.counters = TargetCounters()
         self.prompt_features = None
+        self.replica = None
 
     async def verify(self, committed: Sequence[int], tree: DraftTree) -> Verification:
         committed = [int(t) for t in committed]
