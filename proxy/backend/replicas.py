@@ -177,7 +177,11 @@ class ReplicaSet:
             targets.append(first)
             for url in urls[1:]:
                 try:
-                    targets.append(await VLLMTarget.connect(url, first.name, **options))
+                    targets.append(
+                        await VLLMTarget.connect(
+                            url, first.name, eos_token_ids=first.eos_token_ids, **options
+                        )
+                    )
                 except ValueError as exc:
                     raise ValueError(
                         f"replica {url} does not serve {urls[0]}'s model {first.name!r}: {exc}"
@@ -376,9 +380,12 @@ class ReplicaSession:
             replica, inner = self._current()
             started = False
             try:
-                async for tokens, logprobs in inner.plain(committed, max_tokens, stream):
-                    started = True
-                    yield tokens, logprobs
+                # Closed with this generator: vLLM aborts a stream whose connection closes.
+                events = inner.plain(committed, max_tokens, stream)
+                async with contextlib.aclosing(events):
+                    async for tokens, logprobs in events:
+                        started = True
+                        yield tokens, logprobs
             except TargetError as exc:
                 if not exc.retriable:
                     raise
@@ -420,10 +427,6 @@ class ReplicaHttp:
         self._on_retry: Callable[[str], None] | None = None
 
     @property
-    def base_url(self) -> str:
-        return ",".join(replica.url for replica in self.replicas.replicas)
-
-    @property
     def on_retry(self) -> Callable[[str], None] | None:
         return self._on_retry
 
@@ -460,11 +463,6 @@ class ReplicaHttp:
             self.replicas.succeeded(replica)
             return answer
 
-    async def served_models(self) -> dict[str, dict[str, Any]]:
-        replica = self._least_loaded(set())
-        assert replica is not None
-        return await replica.target.http.served_models()
-
     async def open_stream(
         self, method: str, path: str, content: bytes | None, headers: dict[str, str]
     ) -> httpx.Response:
@@ -485,9 +483,6 @@ class ReplicaHttp:
                 continue
             self.replicas.succeeded(replica)
             return response
-
-    async def health(self) -> tuple[bool, dict[str, Any]]:
-        return await self.replicas.health()
 
 
 def _relay_key(content: bytes | None, affinity_tokens: int) -> bytes:
