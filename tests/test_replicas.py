@@ -9,11 +9,13 @@ import asyncio
 import random
 from collections import Counter
 
+import numpy as np
 import pytest
 from pydantic import ValidationError
 
+from benchmarks.servers import free_port
 from proxy.adaptive.policy import Policy
-from proxy.backend.base import SessionOptions
+from proxy.backend.base import SessionOptions, TargetError
 from proxy.backend.replicas import (
     EJECT_AFTER,
     LOAD_FACTOR,
@@ -22,9 +24,10 @@ from proxy.backend.replicas import (
     pick,
     rendezvous_order,
 )
-from proxy.backend.vllm import VLLMHttp, VLLMTarget
+from proxy.backend.vllm import RetryPolicy, VLLMHttp, VLLMTarget
 from proxy.cli import build_parser, settings_from_args
 from proxy.server.settings import ServerSettings
+from proxy.tree import DraftTree
 
 URLS = ["http://10.0.0.1:8000", "http://10.0.0.2:8000"]
 K = 128
@@ -178,3 +181,33 @@ def test_one_policy_per_replica():
     assert first_replica is not policy.for_replica(URLS[1])
     assert first_replica.trace is policy.trace
     assert set(policy.replicas) == set(URLS)
+
+
+def test_with_every_replica_refusing_a_round_fails_after_trying_each_once():
+    """Real refused connections (ports nothing listens on): the round is tried on each
+    replica once, each counts the failure, and the request gets the last one."""
+    root_only = DraftTree(
+        token_ids=np.array([3]), depths=np.array([0]), parents=np.array([-1]),
+        path_log_probs=np.array([0.0]), children=({},),
+    )  # fmt: skip
+
+    async def scenario():
+        urls = [f"http://127.0.0.1:{free_port()}" for _ in range(2)]
+        no_retries = RetryPolicy(max_retries=0)
+        targets = [VLLMTarget(VLLMHttp(url, retry=no_retries), "m", 2048, [0]) for url in urls]
+        replicas = ReplicaSet(targets, affinity_tokens=K)
+        session = await replicas.start([1, 2, 3], SessionOptions())
+        first_url = session.replica
+        with pytest.raises(TargetError, match="cannot connect") as failure:
+            await session.verify([1, 2, 3], root_only)
+        assert failure.value.kind == "connect"
+        assert {r.url: r.errors for r in replicas.replicas} == dict.fromkeys(urls, 1)
+        assert urls[1 - urls.index(first_url)] in str(failure.value)  # the last one tried
+        with pytest.raises(TargetError, match="cannot connect"):
+            async for _ in session.plain([1, 2, 3], 4):
+                pass
+        await session.aclose()
+        assert all(r.in_flight == 0 for r in replicas.replicas)
+        await replicas.aclose()
+
+    asyncio.run(scenario())

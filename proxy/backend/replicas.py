@@ -318,7 +318,7 @@ class ReplicaSession:
         self._tried: set[str] = set()
         self._pinned: Replica | None = None
         self._inner: VLLMSession | None = None
-        self._pin(replicas.choose(key))
+        self._pin(replicas.choose(key))  # some replica: none is tried yet
 
     @property
     def replica(self) -> str | None:
@@ -337,20 +337,19 @@ class ReplicaSession:
         self._inner.counters = self.counters  # one request's counts, wherever it runs
 
     def _move(self, exc: TargetError) -> None:
-        """After `exc` on the pinned replica: count it, pin the next replica of the
-        request's ranking not yet tried, or raise `exc` when none is left."""
-        assert self._pinned is not None
-        self.replicas.failed(self._pinned, str(exc))
-        self._tried.add(self._pinned.url)
-        moved_from = self._pinned.url
-        self._pin(self.replicas.choose(self._key, frozenset(self._tried)))
-        if self._pinned is None:
+        """After `exc` on the pinned replica: count it and pin the next replica of the
+        request's ranking not yet tried; with none left, stay and raise `exc`."""
+        failed = self._current()[0]
+        self.replicas.failed(failed, str(exc))
+        self._tried.add(failed.url)
+        replica = self.replicas.choose(self._key, frozenset(self._tried))
+        if replica is None:
             raise exc
-        logger.info("request moved from replica %s to %s: %s", moved_from, self._pinned.url, exc)
+        self._pin(replica)
+        logger.info("request moved from replica %s to %s: %s", failed.url, replica.url, exc)
 
     def _current(self) -> tuple[Replica, VLLMSession]:
-        if self._pinned is None or self._inner is None:
-            raise TargetError("no replica left to serve the request", "connect")
+        assert self._pinned is not None and self._inner is not None, "session closed"
         return self._pinned, self._inner
 
     async def verify(self, committed: Sequence[int], tree: DraftTree) -> Verification:
@@ -405,8 +404,8 @@ class ReplicaSession:
             return
 
     def _move_or_keep(self, exc: TargetError) -> None:
-        """`_move`, but with no replica left the request keeps its failed one: the
-        round that follows gets its own failure from it."""
+        """`_move`, but with no replica left the request stays: the round that follows
+        gets its own failure."""
         with contextlib.suppress(TargetError):
             self._move(exc)
 
