@@ -97,6 +97,13 @@ def pick(order: Sequence[int], in_flight: Sequence[int], load_factor: float = LO
     return next(idx for idx in order if in_flight[idx] < bound)
 
 
+def movable(exc: TargetError) -> bool:
+    """Is `exc` the replica's trouble, so that another replica may do better: the call
+    did not complete, or the server answered 429/5xx (`TargetError.retriable`)? An
+    answer that does not fit the request is the request's or the proxy's, anywhere."""
+    return exc.retriable and exc.kind != "malformed"
+
+
 @dataclass
 class Replica:
     """One upstream vLLM server and what the proxy knows about it."""
@@ -270,7 +277,8 @@ class ReplicaSet:
         replica.failures = 0
         replica.error = None
         if read_metrics:
-            with contextlib.suppress(TargetError):
+            # A /metrics that fails or does not parse leaves the last reading.
+            with contextlib.suppress(TargetError, ValueError):
                 replica.prefix_cache = await _prefix_cache(replica.target)
 
     async def _check_forever(self) -> None:
@@ -278,7 +286,10 @@ class ReplicaSet:
         while True:
             await asyncio.sleep(HEALTH_INTERVAL_S)
             read_metrics = num_checks % METRICS_EVERY == 0
-            await asyncio.gather(*(self.check(replica, read_metrics) for replica in self.replicas))
+            checks = [self.check(replica, read_metrics) for replica in self.replicas]
+            for outcome in await asyncio.gather(*checks, return_exceptions=True):
+                if isinstance(outcome, Exception):  # a bug: logged, the checks go on
+                    logger.error("replica health check failed", exc_info=outcome)
             num_checks += 1
 
     # ----- the Target protocol ----------------------------------------------------
@@ -358,7 +369,7 @@ class ReplicaSession:
             try:
                 verification = await inner.verify(committed, tree)
             except TargetError as exc:
-                if not exc.retriable:
+                if not movable(exc):
                     raise
                 self._move(exc)
                 continue
@@ -386,7 +397,7 @@ class ReplicaSession:
                         started = True
                         yield tokens, logprobs
             except TargetError as exc:
-                if not exc.retriable:
+                if not movable(exc):
                     raise
                 if not started:
                     self._move(exc)
@@ -452,7 +463,7 @@ class ReplicaHttp:
             try:
                 answer = await replica.target.http.request_json(method, path, body, retry=retry)
             except TargetError as exc:
-                if not exc.retriable:
+                if not movable(exc):
                     raise
                 self.replicas.failed(replica, str(exc))
                 tried.add(replica.url)

@@ -63,6 +63,12 @@ class ReplicasCollector:
             "names of ddtree_policy_estimate)",
             labels=["replica", "name"],
         )
+        decisions = CounterMetricFamily(
+            "ddtree_replica_policy_decisions",
+            "Adaptive policy decisions for requests on the replica, by decision and reason "
+            "(as ddtree_policy_decisions)",
+            labels=["replica", "decision", "reason"],
+        )
         for replica in replicas:
             status = replica.status()
             url = replica.url
@@ -78,8 +84,11 @@ class ReplicasCollector:
                 hit_ratio.add_metric([url], status["prefix_cache_hit_ratio"])
             policy = self._policy.replicas.get(url)
             if policy is not None:
-                for name, value in policy.snapshot().items():
+                snapshot = policy.snapshot()
+                for name, value in snapshot.items():
                     if isinstance(value, float):
                         estimates.add_metric([url, name], value)
+                for (kind, reason), count in sorted(snapshot["decisions"].items()):
+                    decisions.add_metric([url, kind, reason], count)
         yield from (up, in_flight, requests, calls, errors, ejections, readmissions, hit_ratio,
-                    estimates)  # fmt: skip
+                    estimates, decisions)  # fmt: skip
