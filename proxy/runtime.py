@@ -293,6 +293,9 @@ async def _build_proxy(
             f"cannot tell the served model's EOS tokens: pass --tokenizer DIR (a local "
             f"copy of the model's tokenizer and config) ({exc})"
         ) from exc
+    replicas = target.replicas if isinstance(target, ReplicaSet) else []
+    for upstream in [replica.target for replica in replicas] or [target]:
+        upstream.session_header = settings.session_header  # a router in front: its key
     drafter: Drafter | None = None
     try:
         files = find_model_files(target.root, settings.tokenizer)

@@ -8,6 +8,7 @@ default tree (a nested `TreeSettings`) its fields' names (kind, budget, depth, p
 
 from __future__ import annotations
 
+import re
 from typing import Any, Mapping, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -33,6 +34,12 @@ class RuntimeSettings(BaseModel):
         ge=1,
         description="several target URLs: requests whose first this many prompt tokens agree "
         "go to the same replica (its prefix cache)",
+    )
+    session_header: str | None = Field(
+        None,
+        description="proxy: a header sent with every call of a request, its value an id per "
+        "request, so that a session-affinity router in front keeps the request on one "
+        "backend (e.g. x-session-id for vllm-router --policy consistent_hash)",
     )
     target: str | None = Field(
         None, description="engine mode: local target model directory (unset: the shipped one)"
@@ -105,6 +112,13 @@ class RuntimeSettings(BaseModel):
         if len(set(urls)) < len(urls):
             raise ValueError(f"a replica is listed twice: {url!r}")
         return ",".join(urls)
+
+    @field_validator("session_header")
+    @classmethod
+    def _check_header(cls, name: str | None) -> str | None:
+        if name and not re.fullmatch(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+", name):
+            raise ValueError(f"not an HTTP header name: {name!r}")
+        return name or None
 
     @field_validator("generation_config")
     @classmethod

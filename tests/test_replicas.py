@@ -211,3 +211,10 @@ def test_with_every_replica_refusing_a_round_fails_after_trying_each_once():
         await replicas.aclose()
 
     asyncio.run(scenario())
+
+
+def test_session_header_must_be_a_header_name():
+    assert ServerSettings(session_header="x-session-id").session_header == "x-session-id"
+    assert ServerSettings(session_header="").session_header is None
+    with pytest.raises(ValidationError, match="not an HTTP header name"):
+        ServerSettings(session_header="x session")
