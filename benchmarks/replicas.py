@@ -17,7 +17,8 @@ Requests come in `--groups` groups of `--per-group`: the prompts of a group shar
 HumanEval prompt as their prefix (a system prompt, a repository) and end in a question
 of their own. Per configuration: vLLM's prefix-cache hit ratio (hits / queries in tokens,
 summed over the replicas it used), output tokens per second, and the calls per replica.
-Writes `replicas.json` and `replicas.md` to `--out`.
+Writes `replicas.json` and `replicas.md` to `--out` (the servers' logs go to a temporary
+folder it names).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -115,7 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     prompts = requests_in_groups(
         AutoTokenizer.from_pretrained(str(args.target_dir)), args.groups, args.per_group
     )
-    logs = args.out / "replicas-logs"
+    logs = Path(tempfile.mkdtemp(prefix="ddtree-replicas-"))  # the servers' logs
+    print(f"server logs: {logs}")
     replicas = [
         upstream.start(args.target_dir, logs / f"vllm-{idx}.log", MAX_MODEL_LEN,
                        extra_args=("--enforce-eager",))  # fmt: skip
