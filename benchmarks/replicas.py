@@ -104,6 +104,12 @@ def measure(name, proxy_urls, replicas, model, prompts, args, out: Path) -> dict
     }
 
 
+def _shown(path: Path) -> str:
+    """`path` relative to the repository when inside it (reports stay machine-free)."""
+    resolved = path.resolve()
+    return str(resolved.relative_to(REPO_ROOT)) if resolved.is_relative_to(REPO_ROOT) else str(path)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--target-dir", type=Path, default=REPO_ROOT / "models/pycoder/target")
@@ -143,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         for replica in replicas:
             replica.stop()
     report = {
-        "flags": vars(args) | {"target_dir": str(args.target_dir), "out": str(args.out)},
+        "flags": vars(args) | {"target_dir": _shown(args.target_dir), "out": _shown(args.out)},
         "num_requests": len(prompts),
         "rows": rows,
     }
