@@ -81,8 +81,8 @@ class VLLMHttp:
     `request_json` retries idempotent calls (`retry=True`) on connection failures,
     timeouts, 429/5xx answers and malformed JSON, with bounded exponential backoff;
     `on_retry(kind)` is called before each retry (the server counts them).
-    `num_calls` counts its calls by path, retries not included (the server exports
-    those to /tokenize and /detokenize, so that a call per token shows).
+    `num_calls` counts its calls (JSON and streams) by path, retries not included (the
+    server exports those to /tokenize and /detokenize, so that a call per token shows).
     """
 
     def __init__(
@@ -205,6 +205,7 @@ class VLLMHttp:
         """POST a streaming request; yield each server-sent event's JSON until [DONE].
         Opening the stream is retried like `request_json`; a failure after the first
         event is raised as it is (the caller holds what already arrived)."""
+        self.num_calls[path] += 1
         where = f"vLLM POST {self.base_url}{path}"
         attempts = self.retry.max_retries + 1
         for attempt in range(attempts):
