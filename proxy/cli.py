@@ -28,6 +28,7 @@ SettingsT = TypeVar("SettingsT", bound=RuntimeSettings)
 
 # Flags spelled other than --NAME (the spelling they had before every setting had a flag).
 _FLAG_NAMES = {"policy": "--budget-policy"}
+_REPEATABLE = frozenset({"target_url"})  # settings whose flag may be given several times
 # `generate`'s settings: the in-process target and drafter, the tree, where torch runs.
 _GENERATE_SETTINGS = (
     "target",
@@ -68,6 +69,8 @@ def _add_setting(parser: Any, setting: Setting, from_env: bool) -> None:
         default=None,
         choices=_choices(setting.field.annotation),
         help=help_text.replace("%", "%%"),
+        # --target-url repeated: several replicas, joined into the setting's comma list
+        action="append" if setting.name in _REPEATABLE else "store",
     )
 
 
@@ -104,6 +107,8 @@ def settings_from_args(model: type[SettingsT], args: argparse.Namespace) -> Sett
     """`model` from the flags given (a flag not given is None) over the DDTREE_*
     variables if `model` reads them (a BaseSettings: ServerSettings) over its defaults."""
     given = {name: value for name, value in vars(args).items() if value is not None}
+    for name in _REPEATABLE & given.keys():
+        given[name] = ",".join(given[name])
     return model(**nest(model, given))
 
 

@@ -28,7 +28,13 @@ from proxy.adaptive.policy import (
     RoundResult,
     Speculate,
 )
-from proxy.backend.base import PlainGeneration, SessionOptions, Target, TargetError
+from proxy.backend.base import (
+    PlainGeneration,
+    PlainStreamLost,
+    SessionOptions,
+    Target,
+    TargetError,
+)
 from proxy.drafter.base import Drafter, DraftSession
 from proxy.output import WINDOW_TOKENS, Delta, Detokenize, OutputProcessor
 from proxy.round import RoundShape, RoundStats, draft, speculate
@@ -225,7 +231,7 @@ async def stream_generate(
     session = await target.start(request.prompt_ids, options)
     decisions: RequestPolicy | None = None
     if policy is not None and use_drafter and settings.policy == "adaptive":
-        decisions = policy.request(
+        decisions = policy.for_replica(session.replica).request(
             can_plain=session.plain is not None,
             seeded=request.sampling.seed is not None,
             client_streams=request.stream,
@@ -345,6 +351,8 @@ class _PlainStretch:
             except StopAsyncIteration:
                 tokens, logprobs = [], None
                 self.ended = True
+            except PlainStreamLost:
+                raise
             except TargetError:
                 # A plain call that broke cannot be resumed as it was, but every token
                 # so far is the target's: the policy goes on with a round, which is

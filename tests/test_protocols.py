@@ -38,10 +38,12 @@ IMPLEMENTATIONS: dict[type, tuple[str, ...]] = {
     Target: (
         "proxy.backend.engine.local:LocalTarget",
         "proxy.backend.vllm:VLLMTarget",
+        "proxy.backend.replicas:ReplicaSet",
     ),
     TargetSession: (
         "proxy.backend.engine.local:LocalSession",
         "proxy.backend.vllm:VLLMSession",
+        "proxy.backend.replicas:ReplicaSession",
     ),
     Tokens: (
         "proxy.tokens:LocalTokens",

@@ -134,6 +134,17 @@ class Policy:
         self.prevailing: str = "plain"  # the side of the latest decision, for new requests
         self._claimed = {"speculate": -float("inf"), "plain": -float("inf")}
         self._next_request = 0
+        # Several upstream replicas: one policy each (their costs differ), by replica name.
+        self.replicas: dict[str, Policy] = {}
+
+    def for_replica(self, replica: str | None) -> Policy:
+        """The policy of requests served by `replica` (one of several upstreams; made at
+        its first request, tracing where this one does); this one for None (one target)."""
+        if replica is None:
+            return self
+        if replica not in self.replicas:
+            self.replicas[replica] = Policy(self.clock, self.trace)
+        return self.replicas[replica]
 
     def request(self, *, can_plain: bool, seeded: bool, client_streams: bool) -> RequestPolicy:
         """A request's decisions. `can_plain`: its target session generates plainly

@@ -53,6 +53,12 @@ class TargetError(RuntimeError):
         return self.kind != "http" or self.status in RETRY_STATUSES
 
 
+class PlainStreamLost(TargetError):
+    """A plain generation broke after its first tokens where going on from the committed
+    tokens would change the output (a seeded request vLLM draws in one call, served by
+    several replicas): the request fails instead of resuming."""
+
+
 @dataclass(frozen=True)
 class SessionOptions:
     """Per-request choices a target session is started with."""
@@ -110,6 +116,9 @@ class TargetSession(Protocol):
     # Plain generation, where the target offers it; None: a round of the root alone is
     # the target's plain step (in-process targets).
     plain: PlainGeneration | None
+    # The upstream replica serving the request now (several upstreams: the policy keeps
+    # estimates per replica); None: the target is one.
+    replica: str | None
 
     async def verify(self, committed: Sequence[int], tree: DraftTree) -> Verification:
         """The target's token at the root (committed[-1] == tree root) and at every node."""

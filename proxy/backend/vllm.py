@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import uuid
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -80,8 +81,8 @@ class VLLMHttp:
     `request_json` retries idempotent calls (`retry=True`) on connection failures,
     timeouts, 429/5xx answers and malformed JSON, with bounded exponential backoff;
     `on_retry(kind)` is called before each retry (the server counts them).
-    `num_calls` counts its calls by path, retries not included (the server exports
-    those to /tokenize and /detokenize, so that a call per token shows).
+    `num_calls` counts its calls (JSON and streams) by path, retries not included (the
+    server exports those to /tokenize and /detokenize, so that a call per token shows).
     """
 
     def __init__(
@@ -125,7 +126,13 @@ class VLLMHttp:
         self._rng = random.Random()
 
     async def request_json(
-        self, method: str, path: str, body: Any = None, *, retry: bool = True
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        *,
+        retry: bool = True,
+        headers: dict[str, str] | None = None,
     ) -> Any:
         """Send one request; return the decoded JSON body or raise TargetError (an
         with its kind) after the last attempt."""
@@ -133,7 +140,7 @@ class VLLMHttp:
         self.num_calls[path] += 1
         for attempt in range(attempts):
             try:
-                return await self._request_once(method, path, body)
+                return await self._request_once(method, path, body, headers)
             except TargetError as exc:
                 if attempt + 1 == attempts or not exc.retriable:
                     if attempt:
@@ -144,10 +151,12 @@ class VLLMHttp:
                 await asyncio.sleep(self.retry.delay(attempt, self._rng))
         raise AssertionError("unreachable")
 
-    async def _request_once(self, method: str, path: str, body: Any) -> Any:
+    async def _request_once(
+        self, method: str, path: str, body: Any, headers: dict[str, str] | None = None
+    ) -> Any:
         where = f"vLLM {method} {self.base_url}{path}"
         try:
-            response = await self.client.request(method, path, json=body)
+            response = await self.client.request(method, path, json=body, headers=headers)
         except httpx.HTTPError as exc:
             raise transport_failure(where, exc) from exc
         if response.status_code != 200:
@@ -190,16 +199,22 @@ class VLLMHttp:
         except httpx.HTTPError as exc:
             raise transport_failure(f"vLLM {method} {self.base_url}{path}", exc) from exc
 
-    async def stream_events(self, path: str, body: Any) -> AsyncIterator[Any]:
+    async def stream_events(
+        self, path: str, body: Any, headers: dict[str, str] | None = None
+    ) -> AsyncIterator[Any]:
         """POST a streaming request; yield each server-sent event's JSON until [DONE].
         Opening the stream is retried like `request_json`; a failure after the first
         event is raised as it is (the caller holds what already arrived)."""
+        self.num_calls[path] += 1
         where = f"vLLM POST {self.base_url}{path}"
         attempts = self.retry.max_retries + 1
         for attempt in range(attempts):
             try:
                 response = await self.open_stream(
-                    "POST", path, json.dumps(body).encode(), {"content-type": "application/json"}
+                    "POST",
+                    path,
+                    json.dumps(body).encode(),
+                    {"content-type": "application/json", **(headers or {})},
                 )
                 if response.status_code != 200:
                     text = (await response.aread()).decode(errors="replace")
@@ -335,6 +350,9 @@ class VLLMTarget:
         # What vLLM loaded (its /v1/models `root`: a path or hub id), whatever name it
         # serves the model under.
         self.root = root or model
+        # A header sent with every call of a request, its value one id per request, so
+        # that a session-affinity router in front keeps the request on one backend.
+        self.session_header: str | None = None
 
     @classmethod
     async def connect(
@@ -431,6 +449,9 @@ class VLLMSession:
         self.sampling_fields = options.sampling_fields
         self.counters = TargetCounters()
         self.prompt_features = None
+        self.replica = None
+        header = target.session_header
+        self.headers = {header: uuid.uuid4().hex} if header else None  # on every call
 
     async def verify(self, committed: Sequence[int], tree: DraftTree) -> Verification:
         committed = [int(t) for t in committed]
@@ -552,7 +573,9 @@ class VLLMSession:
         counters = self.counters
         counters.upstream_calls += 1
         counters.verify_prompt_tokens += sum(len(prompt) for prompt in prompts)
-        answer = await self.target.http.request_json("POST", "/v1/completions", body)
+        answer = await self.target.http.request_json(
+            "POST", "/v1/completions", body, headers=self.headers
+        )
         return _parse_choices(answer, prompts, self.want_logprobs, prompt_logprobs)
 
     async def accept(self, tree: DraftTree, result: WalkResult) -> None:
@@ -574,13 +597,16 @@ class VLLMSession:
         self.counters.upstream_calls += 1
         self.counters.verify_prompt_tokens += len(committed)
         if not stream:
-            answer = await self.target.http.request_json("POST", "/v1/completions", body)
+            answer = await self.target.http.request_json(
+                "POST", "/v1/completions", body, headers=self.headers
+            )
             tokens, logprobs = self._plain_choice(answer)
             if tokens:
                 yield tokens, logprobs
             return
         body["stream"] = True
-        async for event in self.target.http.stream_events("/v1/completions", body):
+        events = self.target.http.stream_events("/v1/completions", body, self.headers)
+        async for event in events:
             tokens, logprobs = self._plain_choice(event)
             if tokens:
                 yield tokens, logprobs

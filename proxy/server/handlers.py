@@ -44,6 +44,7 @@ from proxy.server.metrics import (
 )
 from proxy.server.passthrough import relay
 from proxy.server.plan import opted_out, plan_request
+from proxy.server.replica_metrics import ReplicasCollector
 from proxy.server.request_models import REQUEST_MODELS, Endpoint
 from proxy.server.responses import sse
 from proxy.server.settings import ServerSettings
@@ -79,6 +80,9 @@ class Handlers:
             retries = self.metrics.upstream_retries
             upstream.on_retry = lambda kind: retries.labels(kind).inc()
             self.metrics.registry.register(UpstreamCallsCollector(upstream.num_calls))
+        if self._runtime.replicas is not None:
+            collector = ReplicasCollector(self._runtime.replicas, self._runtime.policy)
+            self.metrics.registry.register(collector)
         await self.ab.start(self._runtime, self.metrics.registry)
 
     async def stop(self) -> None:

@@ -138,6 +138,7 @@ class LocalSession:
         self.want_logprobs = want_logprobs
         self.counters = TargetCounters()
         self.prompt_features: torch.Tensor | None = None
+        self.replica = None  # one target, in this process
         # KV entries of the committed tokens but the root; during a verify also the tree.
         self._cache = target.decoder.new_cache()
         self._tree_features: torch.Tensor | None = None  # [num_nodes + 1, F] of the last verify

