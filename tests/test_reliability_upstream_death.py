@@ -24,7 +24,10 @@ from proxy.server.settings import ServerSettings
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
 PROMPT = [5, 17, 201, 42, 9, 77, 12, 5, 17, 201]
-NUM_TOKENS = 300  # long enough that the kill lands mid-generation
+# The whole context: the test model makes 300 tokens in well under a second, and on a
+# loaded host the stream's first 8 reached the client after the side request had
+# ended, or after the proxy had read all 300 from vLLM; a kill must land mid-generation.
+NUM_TOKENS = MAX_MODEL_LEN - len(PROMPT)
 
 
 def serve(model_dir: Path, port: int, log_path: Path) -> upstream.Upstream:
@@ -80,6 +83,7 @@ def test_upstream_killed_mid_stream_then_restarted(tmp_path):
                     if isinstance(chunk, dict) and "choices" in chunk:
                         streamed.extend(chunk["choices"][0]["token_ids"] or [])
                     if killed_at is None and len(streamed) >= 8:
+                        assert not whole.done(), "the non-streaming request ended before the kill"
                         vllm.kill()
                         killed_at = time.monotonic()
             assert killed_at is not None, "the stream ended before the kill"
