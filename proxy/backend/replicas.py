@@ -34,7 +34,7 @@ import logging
 import math
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable, Sequence
+from typing import Any, AsyncIterator, Awaitable, Callable, Sequence, TypeVar
 
 import httpx
 import numpy as np
@@ -68,6 +68,7 @@ METRICS_EVERY = 5
 NUM_PROBE_IDS = 256
 PREFIX_HITS = "vllm:prefix_cache_hits_total"
 PREFIX_QUERIES = "vllm:prefix_cache_queries_total"
+T = TypeVar("T")
 
 logger = logging.getLogger("ddtree_proxy.replicas")
 
@@ -456,12 +457,36 @@ class ReplicaHttp:
         self, method: str, path: str, body: Any = None, *, retry: bool = True
     ) -> Any:
         self.num_calls[path] += 1
+        return await self._on_one_replica(
+            self._least_loaded,
+            lambda replica: replica.target.http.request_json(method, path, body, retry=retry),
+        )
+
+    async def open_stream(
+        self, method: str, path: str, content: bytes | None, headers: dict[str, str]
+    ) -> httpx.Response:
+        """`VLLMHttp.open_stream` on the replica the body's prompt routes to; a call
+        that fails before any answer moves to the next replica."""
+        key = _relay_key(content, self.replicas.affinity_tokens)
+        return await self._on_one_replica(
+            lambda tried: self.replicas.choose(key, frozenset(tried)),
+            lambda replica: replica.target.http.open_stream(method, path, content, headers),
+        )
+
+    async def _on_one_replica(
+        self,
+        pick: Callable[[set[str]], Replica | None],
+        call: Callable[[Replica], Awaitable[T]],
+    ) -> T:
+        """`call` on the replica `pick` names, then on the next one `pick` names with the
+        tried ones left out, while the failure is the replica's (`movable`); the last
+        failure is raised once every replica was tried."""
         tried: set[str] = set()
         while True:
-            replica = self._least_loaded(tried)
+            replica = pick(tried)
             assert replica is not None
             try:
-                answer = await replica.target.http.request_json(method, path, body, retry=retry)
+                answer = await call(replica)
             except TargetError as exc:
                 if not movable(exc):
                     raise
@@ -472,28 +497,6 @@ class ReplicaHttp:
                 continue
             self.replicas.succeeded(replica)
             return answer
-
-    async def open_stream(
-        self, method: str, path: str, content: bytes | None, headers: dict[str, str]
-    ) -> httpx.Response:
-        """`VLLMHttp.open_stream` on the replica the body's prompt routes to; a call
-        that fails before any answer moves to the next replica."""
-        key = _relay_key(content, self.replicas.affinity_tokens)
-        tried: set[str] = set()
-        while True:
-            replica = self.replicas.choose(key, frozenset(tried))
-            assert replica is not None
-            try:
-                response = await replica.target.http.open_stream(method, path, content, headers)
-            except TargetError as exc:
-                self.replicas.failed(replica, str(exc))
-                tried.add(replica.url)
-                if len(tried) == len(self.replicas.replicas):
-                    raise
-                continue
-            self.replicas.succeeded(replica)
-            return response
-
 
 def _relay_key(content: bytes | None, affinity_tokens: int) -> bytes:
     """A relayed body's routing key: its prompt or messages, as JSON, cut to about
