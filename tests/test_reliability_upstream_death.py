@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import os
+import signal
 import time
 from pathlib import Path
 
@@ -15,6 +17,7 @@ import httpx
 import pytest
 from background_server import BackgroundServer
 from conftest import MAX_MODEL_LEN, make_test_model
+from metrics import scrape
 
 from benchmarks import upstream
 from proxy.decoding import TreeSettings
@@ -24,9 +27,10 @@ from proxy.server.settings import ServerSettings
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
 PROMPT = [5, 17, 201, 42, 9, 77, 12, 5, 17, 201]
-# The whole context: the test model makes 300 tokens in well under a second, and on a
-# loaded host the stream's first 8 reached the client after the side request had
-# ended, or after the proxy had read all 300 from vLLM; a kill must land mid-generation.
+# Every round verifies a tree (policy "fixed"), so vLLM makes tokens only as fast as the
+# proxy asks for them. Served plainly, a stream ran ahead: vLLM's engine on a 2-core
+# host starves its own API server, the proxy and the client, and made all 2038 tokens
+# before the client saw the 8th (seen with a CPU hog; in CI it ended a side request).
 NUM_TOKENS = MAX_MODEL_LEN - len(PROMPT)
 
 
@@ -48,6 +52,16 @@ def wait_health(url: str, status: int, timeout_s: float) -> float:
         time.sleep(0.1)
 
 
+def wait_active(url: str, count: int, side: concurrent.futures.Future) -> None:
+    """Until the proxy serves `count` generations at once, `side` among them."""
+    start = time.monotonic()
+    while scrape(url)["ddtree_active_requests"] < count:
+        assert not side.done(), f"the side request ended early: {side.result()}"
+        assert time.monotonic() - start < 30, f"the proxy never served {count} requests"
+        time.sleep(0.01)
+    assert not side.done(), "the side request ended before the kill"
+
+
 def test_upstream_killed_mid_stream_then_restarted(tmp_path):
     model_dir = make_test_model(tmp_path / "model")
     port = upstream.free_port()
@@ -56,7 +70,7 @@ def test_upstream_killed_mid_stream_then_restarted(tmp_path):
         (reference,) = vllm.complete_greedy([PROMPT], NUM_TOKENS)
         settings = ServerSettings(
             target_url=vllm.url, tokenizer=str(model_dir), drafter="ngram",
-            tree=TreeSettings(budget=4), max_retries=2, request_timeout=120,
+            tree=TreeSettings(budget=4, policy="fixed"), max_retries=2, request_timeout=120,
             log_level="warning",
         )  # fmt: skip
         body = {"model": vllm.model, "prompt": PROMPT, "max_tokens": NUM_TOKENS,
@@ -67,8 +81,6 @@ def test_upstream_killed_mid_stream_then_restarted(tmp_path):
             concurrent.futures.ThreadPoolExecutor(1) as pool,
         ):
             assert client.get("/health").status_code == 200
-            # A non-streaming request runs alongside the stream and dies with it.
-            whole = pool.submit(client.post, "/v1/completions", json=body)
             streamed: list[int] = []
             events: list = []
             killed_at = None
@@ -83,7 +95,12 @@ def test_upstream_killed_mid_stream_then_restarted(tmp_path):
                     if isinstance(chunk, dict) and "choices" in chunk:
                         streamed.extend(chunk["choices"][0]["token_ids"] or [])
                     if killed_at is None and len(streamed) >= 8:
-                        assert not whole.done(), "the non-streaming request ended before the kill"
+                        # vLLM is frozen (SIGSTOP) until the kill, so neither request
+                        # can end in between; the non-streaming one joins the frozen
+                        # server and dies with it.
+                        os.killpg(vllm.pid, signal.SIGSTOP)
+                        whole = pool.submit(client.post, "/v1/completions", json=body)
+                        wait_active(proxy.url, 2, whole)
                         vllm.kill()
                         killed_at = time.monotonic()
             assert killed_at is not None, "the stream ended before the kill"
