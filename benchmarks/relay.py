@@ -43,6 +43,7 @@ import numpy as np
 
 from benchmarks import servers, upstream
 from benchmarks.adaptive import engine_steps
+from benchmarks.adaptive_report import median_interval
 from benchmarks.clients import counter_samples, cpu_seconds, send
 from benchmarks.run import DEFAULT_TARGET_DIR, load_prompts, machine_info
 
@@ -114,8 +115,8 @@ def summarize(cell: dict, runs: dict[str, list[dict]]) -> list[dict]:
         rows.append(cell | {
             "config": config,
             "tokens_per_s": float(np.median(rates[config])),
-            "vs_direct": float(np.median(rates[config] / rates["direct"])),
-            "vs_passthrough": float(np.median(rates[config] / rates["passthrough"])),
+            **_ratios("vs_direct", rates[config] / rates["direct"]),
+            **_ratios("vs_passthrough", rates[config] / rates["passthrough"]),
             "rep_tokens_per_s": rates[config].tolist(),
             "rep_engine_steps": [run["engine_steps"] for run in reps],
             "rep_aux_calls": [run["aux_calls"] for run in reps],
@@ -166,9 +167,20 @@ def summarize_bench_serve(runs: dict[str, list[dict]]) -> list[dict]:
     itl = {c: np.asarray([r["mean_itl_ms"] for r in runs[c]]) for c in runs}
     return [{"config": config, "output_tokens_per_s": float(np.median(throughput[config])),
              "mean_itl_ms": float(np.median(itl[config])),
-             "throughput_vs_direct": float(np.median(throughput[config] / throughput["direct"])),
-             "itl_vs_direct": float(np.median(itl[config] / itl["direct"])), "runs": runs[config]}
+             **_ratios("throughput_vs_direct", throughput[config] / throughput["direct"]),
+             **_ratios("itl_vs_direct", itl[config] / itl["direct"]), "runs": runs[config]}
             for config in runs]  # fmt: skip
+
+
+def _ratios(name: str, ratios: np.ndarray) -> dict:
+    """`name`: the median of per-repetition ratios; `name_interval`: its 95% interval."""
+    return {name: float(np.median(ratios)), f"{name}_interval": median_interval(ratios)}
+
+
+def _ratio(row: dict, name: str) -> str:
+    """A ratio with its 95% interval, e.g. `0.96 [0.87, 1.04]`."""
+    low, high = row[f"{name}_interval"]
+    return f"{row[name]:.2f} [{low:.2f}, {high:.2f}]"
 
 
 def _range(values: list[float], spec: str = ".0f") -> str:
@@ -177,24 +189,25 @@ def _range(values: list[float], spec: str = ".0f") -> str:
 
 def markdown(rows: list[dict], bench_rows: list[dict]) -> str:
     """The report: every configuration of every cell, then vLLM's load client."""
-    lines = ["| client | prompts | config | tok/s | vs direct | vs pass-through "
+    lines = ["| client | prompts | config | tok/s | vs direct [95%] | vs pass-through [95%] "
              "| engine steps | aux calls | proxy CPU ms/token |",
              "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for row in rows:
         lines.append(
             f"| {row['client']} | {row['prompts']} | {row['config']} | {row['tokens_per_s']:.1f} "
-            f"| {row['vs_direct']:.2f} | {row['vs_passthrough']:.2f} "
+            f"| {_ratio(row, 'vs_direct')} | {_ratio(row, 'vs_passthrough')} "
             f"| {_range(row['rep_engine_steps'])} | {_range(row['rep_aux_calls'])} "
             f"| {_range(row['rep_proxy_cpu_ms_per_token'], '.2f')} |"
         )
     if bench_rows:
         lines += ["", "`vllm bench serve` (random dataset):", "",
-                  "| config | output tok/s | mean ITL ms | tok/s vs direct | ITL vs direct |",
+                  "| config | output tok/s | mean ITL ms | tok/s vs direct [95%] "
+                  "| ITL vs direct [95%] |",
                   "|---|---|---|---|---|"]  # fmt: skip
         for row in bench_rows:
             lines.append(
                 f"| {row['config']} | {row['output_tokens_per_s']:.1f} | {row['mean_itl_ms']:.2f} "
-                f"| {row['throughput_vs_direct']:.2f} | {row['itl_vs_direct']:.2f} |"
+                f"| {_ratio(row, 'throughput_vs_direct')} | {_ratio(row, 'itl_vs_direct')} |"
             )
     return "\n".join(lines) + "\n"
 
@@ -244,7 +257,8 @@ def main(argv: list[str] | None = None) -> int:
             "machine": machine_info(), "load_avg_after": os.getloadavg(),
             "reps": args.reps, "clients": args.clients, "prompts": args.prompts,
             "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,
-            "aggregate": "tok/s: median of reps; ratios: median of per-rep ratios"}  # fmt: skip
+            "aggregate": "tok/s: median of reps; ratios: median of per-rep ratios, "
+                         "with a 95% bootstrap interval over reps"}  # fmt: skip
     report = {"metadata": meta, "rows": rows, "bench_serve": bench_rows}
     (args.out / "relay.json").write_text(json.dumps(report, indent=1))
     (args.out / "relay.md").write_text(markdown(rows, bench_rows))

@@ -31,7 +31,12 @@ def test_ratios_are_medians_of_within_repetition_ratios():
     assert rows["default"]["rep_aux_calls"] == [0, 0, 4]
     assert rows["default"]["client"] == "stream" and rows["default"]["prompts"] == "random"
     table = markdown(list(rows.values()), [])
-    assert "| stream | random | default | 81.0 | 0.81 | 0.90 | 100-300 | 0-4 | 0.50-1.25 |" in table
+    # Every repetition's ratio is the same, so the intervals have no width.
+    assert rows["default"]["vs_passthrough_interval"] == pytest.approx((0.9, 0.9))
+    assert (
+        "| stream | random | default | 81.0 | 0.81 [0.81, 0.81] | 0.90 [0.90, 0.90] | 100-300 "
+        "| 0-4 | 0.50-1.25 |"
+    ) in table
     assert "vllm bench serve" not in table
 
 
@@ -48,4 +53,7 @@ def test_bench_serve_rows():
     assert rows["default"]["itl_vs_direct"] == pytest.approx(1.1)
     assert rows["direct"]["output_tokens_per_s"] == 500
     table = markdown([], list(rows.values()))
-    assert "| default | 468.0 | 7.70 | 0.96 | 1.10 |" in table
+    # Per repetition: throughput 0.96, 0.96, 0.90; ITL 1.1, 1.1, 1.1.
+    low, high = rows["default"]["throughput_vs_direct_interval"]
+    assert low == pytest.approx(0.9) and high == pytest.approx(0.96)
+    assert "| default | 468.0 | 7.70 | 0.96 [0.90, 0.96] | 1.10 [1.10, 1.10] |" in table
