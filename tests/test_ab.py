@@ -284,6 +284,36 @@ def test_shadow_replay_equals_the_rounds_of_a_real_run(
         assert max(replayed) > 1  # drafted tokens were accepted: the walk was exercised
 
 
+def test_a_replay_lets_other_requests_run_between_its_rounds():
+    """The n-gram drafter never waits on anything: a replay must still hand the event
+    loop back after each round, or one job would stall every request for its length."""
+
+    async def scenario() -> tuple[int, int]:
+        ticks = 0
+        stop = asyncio.Event()
+
+        async def other_request() -> None:
+            nonlocal ticks
+            while not stop.is_set():
+                ticks += 1
+                await asyncio.sleep(0)
+
+        task = asyncio.create_task(other_request())
+        await asyncio.sleep(0)
+        before = ticks
+        prompt = [5, 6, 7, 8] * 4
+        replayed = await replay(load_drafter("ngram", None), prompt, list(range(100, 160)),
+                                budget=4, max_depth=4, max_tokens=60, max_model_len=512)  # fmt: skip
+        during = ticks - before
+        stop.set()
+        await task
+        return during, len(replayed.acceptance_lengths)
+
+    during, num_rounds = run(scenario())
+    assert num_rounds == 60  # nothing drafted matches: one token per round
+    assert during >= num_rounds - 1
+
+
 def test_shadow_queue_drops_beyond_its_bound_and_counts():
     async def scenario():
         drafter = load_drafter("ngram", None)
