@@ -113,6 +113,23 @@ def test_request_timing_is_what_the_client_saw():
     assert RequestTiming("direct", clock).record() is None  # no token, no record
 
 
+def test_tokens_that_arrive_at_once_have_no_inter_token_latency():
+    """A JSON answer's tokens leave in one piece: no gap was seen, so neither the record
+    nor the per-request histogram gets an inter-token latency (a 0 would drag both down)."""
+    clock = Clock()
+    registry = CollectorRegistry()
+    metrics = ABMetrics(registry, "m", max_model_len=2048)
+    timing = RequestTiming("direct", clock)
+    clock.now += 0.4
+    timing.tokens(12)
+    record = timing.record()
+    assert record is not None and record.num_tokens == 12 and record.itl_s is None
+    metrics.observe(timing, record)
+    page = Metrics(generate_latest(registry).decode())
+    assert page.total("ddtree:request_time_per_output_token_seconds_count", arm="direct") == 0
+    assert page.total("ddtree:inter_token_latency_seconds_count", arm="direct") == 0
+
+
 # --- the report ---------------------------------------------------------------------
 
 

@@ -261,7 +261,8 @@ class AB:
         and its ratio to the direct arm's decode rate (1 / median inter-token latency)."""
         assert self.shadow is not None
         policy = self._policy
-        itls = [r.itl_s for r in direct if r.itl_s is not None]
+        # A decode rate needs a gap: answers whose tokens came at once have none.
+        itls = [r.itl_s for r in direct if r.itl_s is not None and r.itl_s > 0]
         if policy is None or policy.calls.num_rows == 0 or not itls:
             rows = self.shadow.table()
             source = "none: no DDTree rounds measured" if itls else "none: no direct answers"
