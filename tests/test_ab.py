@@ -7,13 +7,16 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import random
+from types import SimpleNamespace
 
 import httpx
 import numpy as np
 import pytest
 from background_server import BackgroundServer
 from conftest import run
+from fastapi.responses import StreamingResponse
 from metrics import Metrics
 from prometheus_client import CollectorRegistry, generate_latest
 from scipy.stats import binom
@@ -31,6 +34,7 @@ from proxy.decoding import (
     resolve_depth,
 )
 from proxy.drafter import DraftError, load_drafter
+from proxy.generation_defaults import GenerationDefaults
 from proxy.round import RoundStats
 from proxy.runtime import Runtime, load_engine, target_info
 from proxy.sampling import SamplingParams
@@ -509,3 +513,115 @@ def test_the_replay_worker_paces_itself():
     (replayed, queued), (row,) = run(scenario())
     assert (replayed, queued) == (1, 4)
     assert (row["rounds"], row["tau"]) == (4, 1.0)  # no draft: one token per round
+
+
+# --- the direct arm: bytes, hooks, replays queued; the guardrail ---------------------
+
+_RUNTIME = SimpleNamespace(model_name="m", max_model_len=512, mode="proxy", policy=None,
+                           drafter=load_drafter("ngram", None), load_drafter=None,
+                           generation_defaults=GenerationDefaults())  # fmt: skip
+_UPSTREAM = "http://127.0.0.1:9"
+# An answer as vLLM writes it with return_token_ids: floats in its own notation, a
+# string value holding '"token_ids":[1]' and a key ending in '"token_ids' (neither is a
+# token id array), and the two id arrays the proxy asked for.
+_VLLM_JSON = (b'{"id":"cmpl-1","choices":[{"index":0,"text":"say \\"token_ids\\":[1]",'
+              b'"logprobs":{"token_logprobs":[-0.000012345,-3.0e-7],"top_logprobs":null},'
+              b'"finish_reason":"length","token_ids":[7,8,9],"prompt_token_ids":null}],'
+              b'"meta":{"say \\"token_ids":[4, 5]},'
+              b'"usage":{"prompt_tokens":3,"completion_tokens":3},"prompt_token_ids":[1,2,3]}')  # fmt: skip
+
+
+def _direct_ab(**ab_fields) -> AB:
+    settings = ServerSettings(target_url=_UPSTREAM, ab=ABSettings(shadow=1.0, **ab_fields))
+    return AB(settings, random.Random(0))
+
+
+def _relay(chunks: list[bytes], sent: list[dict]):
+    async def relay(body: dict) -> StreamingResponse:
+        sent.append(body)
+
+        async def upstream():
+            for chunk in chunks:
+                yield chunk
+
+        return StreamingResponse(upstream(), status_code=200)
+
+    return relay
+
+
+async def _served(ab: AB, body: dict, chunks: list[bytes], endpoint="completions") -> bytes:
+    """The bytes the client gets from the direct arm for vLLM's `chunks`."""
+    sent: list[dict] = []
+    response = await ab.direct(_relay(chunks, sent), body, endpoint, RequestTiming("direct"),
+                               _RUNTIME)  # fmt: skip
+    assert sent[0]["return_token_ids"] is True and response.headers["x-ddtree-arm"] == "direct"
+    if hasattr(response, "body_iterator"):
+        return b"".join([chunk async for chunk in response.body_iterator])
+    return response.body
+
+
+def test_a_shadow_sampled_answer_keeps_vllms_bytes_but_the_ids():
+    """The client did not ask for token ids: the arrays vLLM added become null, as vLLM
+    writes them unasked, and every other byte stays vLLM's (floats included)."""
+    unasked = (_VLLM_JSON.replace(b'"token_ids":[7,8,9]', b'"token_ids":null')
+               .replace(b'"prompt_token_ids":[1,2,3]', b'"prompt_token_ids":null'))  # fmt: skip
+    events = [b'data: {"choices":[{"text":"a","logprobs":{"token_logprobs":[-0.000012345]},'
+              b'"token_ids":[7]}],"prompt_token_ids":[1,2,3]}\n\n',
+              b'data: {"choices":[{"text":"\\"token_ids\\":[2]","token_ids":[8]}]}\n\ndata: [DONE]\n\n']  # fmt: skip
+
+    async def scenario():
+        ab = _direct_ab()
+        await ab.start(_RUNTIME, CollectorRegistry())
+        plain = await _served(ab, {"prompt": "x", "max_tokens": 3}, [_VLLM_JSON[:50], _VLLM_JSON[50:]])
+        asked = await _served(ab, {"prompt": "x", "max_tokens": 3, "return_token_ids": True}, [_VLLM_JSON])
+        stream = await _served(ab, {"prompt": "x", "max_tokens": 2, "stream": True}, events)
+        await ab.stop()
+        return plain, asked, stream
+
+    plain, asked, stream = run(scenario())
+    assert plain == unasked
+    assert asked == _VLLM_JSON
+    assert stream == b"".join(events).replace(b'"token_ids":[7]', b'"token_ids":null').replace(
+        b'"token_ids":[8]', b'"token_ids":null').replace(b'"prompt_token_ids":[1,2,3]', b'"prompt_token_ids":null')  # fmt: skip
+
+
+def test_answers_the_ab_hooks_cannot_read_are_relayed_unchanged(caplog):
+    """A JSON answer that is no object, one without choices, stream events with odd
+    choices: the measuring and replay hooks fail, the client gets vLLM's bytes."""
+    odd_stream = [b'data: {"choices":[1]}\n\n', b'data: {"choices":[{"text":"a"}]}\n\ndata: [DONE]\n\n']
+
+    async def scenario():
+        ab = _direct_ab()
+        await ab.start(_RUNTIME, CollectorRegistry())
+        served = [await _served(ab, {"prompt": "x"}, [b"[1, 2]"]),
+                  await _served(ab, {"prompt": "x"}, [b'{"choices":[]}']),
+                  await _served(ab, {"prompt": "x", "stream": True}, odd_stream)]  # fmt: skip
+        await ab.stop()
+        return served
+
+    caplog.set_level(logging.ERROR, logger="ddtree_proxy.ab")
+    assert run(scenario()) == [b"[1, 2]", b'{"choices":[]}', b"".join(odd_stream)]
+    assert any("hook failed" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "fields", "max_tokens"),
+    [("completions", {}, 16), ("completions", {"max_tokens": None}, 16),
+     ("completions", {"max_tokens": 40}, 40), ("chat", {}, 512 - 3),
+     ("chat", {"max_tokens": 30, "max_completion_tokens": 7}, 7)],
+)  # fmt: skip
+def test_a_replay_runs_to_the_limit_the_request_had(endpoint, fields, max_tokens):
+    """The replay's depth rule needs the request's output limit: vLLM's, a completion's
+    default being 16 and a chat's the rest of the context."""
+    body = {"prompt": "x"} if endpoint == "completions" else {"messages": [{"role": "user", "content": "x"}]}
+
+    async def scenario() -> ShadowJob:
+        ab = _direct_ab()
+        await ab.start(_RUNTIME, CollectorRegistry())
+        await _served(ab, body | fields, [_VLLM_JSON], endpoint)
+        job = ab.shadow.queue.get_nowait()
+        await ab.stop()
+        return job
+
+    job = run(scenario())
+    assert (job.prompt_ids, job.output_ids, job.max_tokens) == ([1, 2, 3], [7, 8, 9], max_tokens)
