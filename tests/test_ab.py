@@ -9,6 +9,7 @@ import asyncio
 import functools
 import logging
 import random
+import threading
 from types import SimpleNamespace
 
 import httpx
@@ -625,3 +626,94 @@ def test_a_replay_runs_to_the_limit_the_request_had(endpoint, fields, max_tokens
 
     job = run(scenario())
     assert (job.prompt_ids, job.output_ids, job.max_tokens) == ([1, 2, 3], [7, 8, 9], max_tokens)
+
+
+def _finish(ab: AB, clock: Clock, arm: str, seconds: float) -> None:
+    timing = RequestTiming(arm, clock)
+    clock.now += seconds
+    timing.tokens(10)
+    ab.finish(timing, True)
+
+
+def _guarded_ab(clock: Clock) -> AB:
+    settings = ServerSettings(target_url=_UPSTREAM,
+                              ab=ABSettings(ab_split=0.5, ab_guardrail=True, ab_window=60))  # fmt: skip
+    return AB(settings, random.Random(0), clock)
+
+
+def test_a_new_split_clears_the_trip_and_is_judged_on_its_own_requests():
+    """After a trip, POST /ddtree/ab re-enables the split; the slow requests from before
+    the change do not trip it again, arms as fast as each other do not either."""
+    clock = Clock()
+
+    async def scenario():
+        ab = _guarded_ab(clock)
+        await ab.start(_RUNTIME, CollectorRegistry())
+        for n in range(40):
+            _finish(ab, clock, "ddtree", 0.2 * (1 + 0.05 * (n % 3)))
+            _finish(ab, clock, "direct", 0.1 * (1 + 0.05 * (n % 3)))
+            await asyncio.sleep(0.02)
+            clock.now += GUARDRAIL_EVERY_S / 4
+        tripped = (ab.split.share, ab.state()["guardrail"]["tripped"])
+        changed = ab.change(b'{"split": 0.5}')["guardrail"]["tripped"]
+        for n in range(20):
+            for arm in ("ddtree", "direct"):
+                _finish(ab, clock, arm, 0.1 * (1 + 0.05 * (n % 3)))
+            await asyncio.sleep(0.02)
+            clock.now += GUARDRAIL_EVERY_S / 4
+        await ab.stop()
+        return tripped, changed, ab.split.share
+
+    assert run(scenario()) == ((0.0, True), False, 0.5)
+
+
+def test_a_check_running_while_the_split_changes_does_not_apply():
+    clock = Clock()
+
+    async def scenario() -> float:
+        ab = _guarded_ab(clock)
+        await ab.start(_RUNTIME, CollectorRegistry())
+        for n in range(12):
+            _finish(ab, clock, "ddtree", 0.2 * (1 + 0.05 * (n % 3)))
+            _finish(ab, clock, "direct", 0.1 * (1 + 0.05 * (n % 3)))
+        await asyncio.sleep(0.02)
+        clock.now += GUARDRAIL_EVERY_S
+        _finish(ab, clock, "ddtree", 0.2)  # starts a check of a clearly slower DDTree arm
+        ab.change(b'{"split": 0.7}')  # ... and the split changes before it is done
+        await asyncio.sleep(0.2)
+        await ab.stop()
+        return ab.split.share
+
+    assert run(scenario()) == 0.7
+
+
+def test_a_failed_guardrail_check_is_logged_and_stop_cancels_a_running_one(monkeypatch, caplog):
+    clock = Clock()
+    release = threading.Event()
+
+    def failing(*args):
+        raise RuntimeError("no ratio")
+
+    def slow_and_slower(*args):  # a check that, once done, would trip the guardrail
+        release.wait(5)
+        return report.Interval(0.5, 0.4, 0.6)
+
+    async def scenario(ratio) -> float:
+        ab = _guarded_ab(clock)
+        await ab.start(_RUNTIME, CollectorRegistry())
+        monkeypatch.setattr(report, "median_ratio", ratio)
+        clock.now += GUARDRAIL_EVERY_S
+        _finish(ab, clock, "ddtree", 0.2)
+        await asyncio.sleep(0.05)
+        await ab.stop()
+        release.set()
+        await asyncio.sleep(0.05)
+        return ab.split.share
+
+    caplog.set_level(logging.ERROR, logger="ddtree_proxy.ab")
+    assert run(scenario(failing)) == 0.5
+    assert any("guardrail check failed" in r.getMessage() and r.exc_info for r in caplog.records)
+    try:
+        assert run(scenario(slow_and_slower)) == 0.5
+    finally:
+        release.set()

@@ -71,6 +71,9 @@ class AB:
         self._guardrail_checked = -GUARDRAIL_EVERY_S
         self._guardrail_task: asyncio.Task | None = None
         self.guardrail_tripped = False
+        # The guardrail judges only requests that ended after the split last changed.
+        self._num_changes = 0
+        self._changed_at = self.records.started
         self._hooks = _Hooks()
 
     async def start(self, runtime: Runtime, registry) -> None:
@@ -96,6 +99,9 @@ class AB:
         self.shadow.start()
 
     async def stop(self) -> None:
+        if self._guardrail_task is not None:
+            self._guardrail_task.cancel()
+            await asyncio.wait([self._guardrail_task])
         if self.shadow is not None:
             await self.shadow.stop()
         for drafter in self._owned:
@@ -126,6 +132,8 @@ class AB:
             self.split = Split(share, self._rng)
         else:
             self.split.share = share
+        self._num_changes += 1
+        self._changed_at = self.records.clock()
         self._show_split()
 
     def state(self) -> dict[str, Any]:
@@ -143,6 +151,7 @@ class AB:
                                param="split")  # fmt: skip
         logger.warning("A/B split changed: %s -> %s", self.state()["split"], share)
         self.set_split(share)
+        self.guardrail_tripped = False
         return self.state()
 
     # ----- timing -----------------------------------------------------------------
@@ -303,26 +312,39 @@ class AB:
 
     def _check_guardrail(self) -> None:
         """Every GUARDRAIL_EVERY_S at most, in the background: split 0 when the recent
-        window shows DDTree clearly slower (the ratio's whole interval below 1)."""
+        window, from the split's latest change on, shows DDTree clearly slower (the
+        ratio's whole interval below 1)."""
         if not self.settings.ab_guardrail or self.split is None or self.split.share == 0:
             return
         now = self.records.clock()
         if now - self._guardrail_checked < GUARDRAIL_EVERY_S:
             return
         self._guardrail_checked = now
-        self._guardrail_task = asyncio.get_running_loop().create_task(self._guardrail())
+        recent = self.records.since(max(now - self.settings.ab_window, self._changed_at))
+        task = asyncio.get_running_loop().create_task(self._guardrail(recent, self._num_changes))
+        task.add_done_callback(_log_guardrail_failure)
+        self._guardrail_task = task
 
-    async def _guardrail(self) -> None:
-        recent = (await self.report())["windows"]["recent"]
-        ratio = recent["tokens_per_s_ratio"]
-        if ratio is not None and ratio[2] < 1 and self.split is not None and self.split.share > 0:
-            logger.warning("A/B guardrail: DDTree/direct tokens/s %.3g [%.3g, %.3g] over the "
-                           "recent window: split set to 0", *ratio)  # fmt: skip
-            self.set_split(0.0)
-            self.guardrail_tripped = True
-            assert self.metrics is not None
-            self.metrics.guardrail_trips.inc()
+    async def _guardrail(self, recent: dict[Arm, list[RequestRecord]], num_changes: int) -> None:
+        rng = np.random.default_rng(report.SEED)  # as the report's window draws it
+        ratio = await asyncio.to_thread(
+            report.median_ratio, recent["ddtree"], recent["direct"], rng
+        )
+        if ratio is None or ratio.high >= 1:
+            return
+        if num_changes != self._num_changes or self.split is None or self.split.share == 0:
+            return  # the split changed while this ran: judged on the old one
+        logger.warning("A/B guardrail: DDTree/direct tokens/s %.3g [%.3g, %.3g] over the "
+                       "recent window: split set to 0", ratio.value, ratio.low, ratio.high)  # fmt: skip
+        self.set_split(0.0)
+        self.guardrail_tripped = True
+        assert self.metrics is not None
+        self.metrics.guardrail_trips.inc()
 
+
+def _log_guardrail_failure(task: asyncio.Task) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        logger.error("A/B guardrail check failed", exc_info=task.exception())
 
 
 class _Hooks:
