@@ -147,11 +147,9 @@ class ArmRecords:
         self.records: dict[Arm, deque[RequestRecord]] = {
             arm: deque(maxlen=MAX_RECORDS) for arm in ARMS
         }
-        self.num_finished: dict[Arm, int] = {arm: 0 for arm in ARMS}
 
     def add(self, record: RequestRecord) -> None:
         self.records[record.arm].append(record)
-        self.num_finished[record.arm] += 1
 
     def since(self, start: float) -> dict[Arm, list[RequestRecord]]:
         return {

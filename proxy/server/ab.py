@@ -489,7 +489,7 @@ def split_of(raw: bytes) -> float | None:
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise RequestError(f"request body is not valid JSON: {exc}") from None
-    if not isinstance(body, dict) or "split" not in body or set(body) != {"split"}:
+    if not isinstance(body, dict) or set(body) != {"split"}:
         raise RequestError('send {"split": F} with F between 0 and 1, or null for no split',
                            param="split")  # fmt: skip
     share = body["split"]
