@@ -319,6 +319,8 @@ class AB:
         now = self.records.clock()
         if now - self._guardrail_checked < GUARDRAIL_EVERY_S:
             return
+        if self._guardrail_task is not None and not self._guardrail_task.done():
+            return  # one check at a time: stop() cancels the one running
         self._guardrail_checked = now
         recent = self.records.since(max(now - self.settings.ab_window, self._changed_at))
         task = asyncio.get_running_loop().create_task(self._guardrail(recent, self._num_changes))
