@@ -7,13 +7,17 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import random
+import threading
+from types import SimpleNamespace
 
 import httpx
 import numpy as np
 import pytest
 from background_server import BackgroundServer
 from conftest import run
+from fastapi.responses import StreamingResponse
 from metrics import Metrics
 from prometheus_client import CollectorRegistry, generate_latest
 from scipy.stats import binom
@@ -31,6 +35,7 @@ from proxy.decoding import (
     resolve_depth,
 )
 from proxy.drafter import DraftError, load_drafter
+from proxy.generation_defaults import GenerationDefaults
 from proxy.round import RoundStats
 from proxy.runtime import Runtime, load_engine, target_info
 from proxy.sampling import SamplingParams
@@ -111,6 +116,23 @@ def test_request_timing_is_what_the_client_saw():
     assert record.tokens_per_s == pytest.approx(8 / 1.0)
     assert timing.gaps == [(pytest.approx(0.2), 1), (pytest.approx(0.3), 4)]
     assert RequestTiming("direct", clock).record() is None  # no token, no record
+
+
+def test_tokens_that_arrive_at_once_have_no_inter_token_latency():
+    """A JSON answer's tokens leave in one piece: no gap was seen, so neither the record
+    nor the per-request histogram gets an inter-token latency (a 0 would drag both down)."""
+    clock = Clock()
+    registry = CollectorRegistry()
+    metrics = ABMetrics(registry, "m", max_model_len=2048)
+    timing = RequestTiming("direct", clock)
+    clock.now += 0.4
+    timing.tokens(12)
+    record = timing.record()
+    assert record is not None and record.num_tokens == 12 and record.itl_s is None
+    metrics.observe(timing, record)
+    page = Metrics(generate_latest(registry).decode())
+    assert page.total("ddtree:request_time_per_output_token_seconds_count", arm="direct") == 0
+    assert page.total("ddtree:inter_token_latency_seconds_count", arm="direct") == 0
 
 
 # --- the report ---------------------------------------------------------------------
@@ -282,6 +304,36 @@ def test_shadow_replay_equals_the_rounds_of_a_real_run(
         replayed += lengths
     if (drafter_kind, budget) != ("autoregressive:small", 1):  # its top choice rarely agrees
         assert max(replayed) > 1  # drafted tokens were accepted: the walk was exercised
+
+
+def test_a_replay_lets_other_requests_run_between_its_rounds():
+    """The n-gram drafter never waits on anything: a replay must still hand the event
+    loop back after each round, or one job would stall every request for its length."""
+
+    async def scenario() -> tuple[int, int]:
+        ticks = 0
+        stop = asyncio.Event()
+
+        async def other_request() -> None:
+            nonlocal ticks
+            while not stop.is_set():
+                ticks += 1
+                await asyncio.sleep(0)
+
+        task = asyncio.create_task(other_request())
+        await asyncio.sleep(0)
+        before = ticks
+        prompt = [5, 6, 7, 8] * 4
+        replayed = await replay(load_drafter("ngram", None), prompt, list(range(100, 160)),
+                                budget=4, max_depth=4, max_tokens=60, max_model_len=512)  # fmt: skip
+        during = ticks - before
+        stop.set()
+        await task
+        return during, len(replayed.acceptance_lengths)
+
+    during, num_rounds = run(scenario())
+    assert num_rounds == 60  # nothing drafted matches: one token per round
+    assert during >= num_rounds - 1
 
 
 def test_shadow_queue_drops_beyond_its_bound_and_counts():
@@ -462,3 +514,206 @@ def test_the_replay_worker_paces_itself():
     (replayed, queued), (row,) = run(scenario())
     assert (replayed, queued) == (1, 4)
     assert (row["rounds"], row["tau"]) == (4, 1.0)  # no draft: one token per round
+
+
+# --- the direct arm: bytes, hooks, replays queued; the guardrail ---------------------
+
+_RUNTIME = SimpleNamespace(model_name="m", max_model_len=512, mode="proxy", policy=None,
+                           drafter=load_drafter("ngram", None), load_drafter=None,
+                           generation_defaults=GenerationDefaults())  # fmt: skip
+_UPSTREAM = "http://127.0.0.1:9"
+# An answer as vLLM writes it with return_token_ids: floats in its own notation, a
+# string value holding '"token_ids":[1]' and a key ending in '"token_ids' (neither is a
+# token id array), and the two id arrays the proxy asked for.
+_VLLM_JSON = (b'{"id":"cmpl-1","choices":[{"index":0,"text":"say \\"token_ids\\":[1]",'
+              b'"logprobs":{"token_logprobs":[-0.000012345,-3.0e-7],"top_logprobs":null},'
+              b'"finish_reason":"length","token_ids":[7,8,9],"prompt_token_ids":null}],'
+              b'"meta":{"say \\"token_ids":[4, 5]},'
+              b'"usage":{"prompt_tokens":3,"completion_tokens":3},"prompt_token_ids":[1,2,3]}')  # fmt: skip
+
+
+def _direct_ab(**ab_fields) -> AB:
+    settings = ServerSettings(target_url=_UPSTREAM, ab=ABSettings(shadow=1.0, **ab_fields))
+    return AB(settings, random.Random(0))
+
+
+def _relay(chunks: list[bytes], sent: list[dict]):
+    async def relay(body: dict) -> StreamingResponse:
+        sent.append(body)
+
+        async def upstream():
+            for chunk in chunks:
+                yield chunk
+
+        return StreamingResponse(upstream(), status_code=200)
+
+    return relay
+
+
+async def _served(ab: AB, body: dict, chunks: list[bytes], endpoint="completions") -> bytes:
+    """The bytes the client gets from the direct arm for vLLM's `chunks`."""
+    sent: list[dict] = []
+    response = await ab.direct(_relay(chunks, sent), body, endpoint, RequestTiming("direct"),
+                               _RUNTIME)  # fmt: skip
+    assert sent[0]["return_token_ids"] is True and response.headers["x-ddtree-arm"] == "direct"
+    if hasattr(response, "body_iterator"):
+        return b"".join([chunk async for chunk in response.body_iterator])
+    return response.body
+
+
+def test_a_shadow_sampled_answer_keeps_vllms_bytes_but_the_ids():
+    """The client did not ask for token ids: the arrays vLLM added become null, as vLLM
+    writes them unasked, and every other byte stays vLLM's (floats included)."""
+    unasked = (_VLLM_JSON.replace(b'"token_ids":[7,8,9]', b'"token_ids":null')
+               .replace(b'"prompt_token_ids":[1,2,3]', b'"prompt_token_ids":null'))  # fmt: skip
+    events = [b'data: {"choices":[{"text":"a","logprobs":{"token_logprobs":[-0.000012345]},'
+              b'"token_ids":[7]}],"prompt_token_ids":[1,2,3]}\n\n',
+              b'data: {"choices":[{"text":"\\"token_ids\\":[2]","token_ids":[8]}]}\n\ndata: [DONE]\n\n']  # fmt: skip
+
+    async def scenario():
+        ab = _direct_ab()
+        await ab.start(_RUNTIME, CollectorRegistry())
+        plain = await _served(ab, {"prompt": "x", "max_tokens": 3}, [_VLLM_JSON[:50], _VLLM_JSON[50:]])
+        asked = await _served(ab, {"prompt": "x", "max_tokens": 3, "return_token_ids": True}, [_VLLM_JSON])
+        stream = await _served(ab, {"prompt": "x", "max_tokens": 2, "stream": True}, events)
+        await ab.stop()
+        return plain, asked, stream
+
+    plain, asked, stream = run(scenario())
+    assert plain == unasked
+    assert asked == _VLLM_JSON
+    assert stream == b"".join(events).replace(b'"token_ids":[7]', b'"token_ids":null').replace(
+        b'"token_ids":[8]', b'"token_ids":null').replace(b'"prompt_token_ids":[1,2,3]', b'"prompt_token_ids":null')  # fmt: skip
+
+
+def test_answers_the_ab_hooks_cannot_read_are_relayed_unchanged(caplog):
+    """A JSON answer that is no object, one without choices, stream events with odd
+    choices: the measuring and replay hooks fail, the client gets vLLM's bytes."""
+    odd_stream = [b'data: {"choices":[1]}\n\n', b'data: {"choices":[{"text":"a"}]}\n\ndata: [DONE]\n\n']
+
+    async def scenario():
+        ab = _direct_ab()
+        await ab.start(_RUNTIME, CollectorRegistry())
+        served = [await _served(ab, {"prompt": "x"}, [b"[1, 2]"]),
+                  await _served(ab, {"prompt": "x"}, [b'{"choices":[]}']),
+                  await _served(ab, {"prompt": "x", "stream": True}, odd_stream)]  # fmt: skip
+        await ab.stop()
+        return served
+
+    caplog.set_level(logging.ERROR, logger="ddtree_proxy.ab")
+    assert run(scenario()) == [b"[1, 2]", b'{"choices":[]}', b"".join(odd_stream)]
+    assert any("hook failed" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "fields", "max_tokens"),
+    [("completions", {}, 16), ("completions", {"max_tokens": None}, 16),
+     ("completions", {"max_tokens": 40}, 40), ("chat", {}, 512 - 3),
+     ("chat", {"max_tokens": 30, "max_completion_tokens": 7}, 7)],
+)  # fmt: skip
+def test_a_replay_runs_to_the_limit_the_request_had(endpoint, fields, max_tokens):
+    """The replay's depth rule needs the request's output limit: vLLM's, a completion's
+    default being 16 and a chat's the rest of the context."""
+    body = {"prompt": "x"} if endpoint == "completions" else {"messages": [{"role": "user", "content": "x"}]}
+
+    async def scenario() -> ShadowJob:
+        ab = _direct_ab()
+        await ab.start(_RUNTIME, CollectorRegistry())
+        await _served(ab, body | fields, [_VLLM_JSON], endpoint)
+        job = ab.shadow.queue.get_nowait()
+        await ab.stop()
+        return job
+
+    job = run(scenario())
+    assert (job.prompt_ids, job.output_ids, job.max_tokens) == ([1, 2, 3], [7, 8, 9], max_tokens)
+
+
+def _finish(ab: AB, clock: Clock, arm: str, seconds: float) -> None:
+    timing = RequestTiming(arm, clock)
+    clock.now += seconds
+    timing.tokens(10)
+    ab.finish(timing, True)
+
+
+def _guarded_ab(clock: Clock) -> AB:
+    settings = ServerSettings(target_url=_UPSTREAM,
+                              ab=ABSettings(ab_split=0.5, ab_guardrail=True, ab_window=60))  # fmt: skip
+    return AB(settings, random.Random(0), clock)
+
+
+def test_a_new_split_clears_the_trip_and_is_judged_on_its_own_requests():
+    """After a trip, POST /ddtree/ab re-enables the split; the slow requests from before
+    the change do not trip it again, arms as fast as each other do not either."""
+    clock = Clock()
+
+    async def scenario():
+        ab = _guarded_ab(clock)
+        await ab.start(_RUNTIME, CollectorRegistry())
+        for n in range(40):
+            _finish(ab, clock, "ddtree", 0.2 * (1 + 0.05 * (n % 3)))
+            _finish(ab, clock, "direct", 0.1 * (1 + 0.05 * (n % 3)))
+            await asyncio.sleep(0.02)
+            clock.now += GUARDRAIL_EVERY_S / 4
+        tripped = (ab.split.share, ab.state()["guardrail"]["tripped"])
+        changed = ab.change(b'{"split": 0.5}')["guardrail"]["tripped"]
+        for n in range(20):
+            for arm in ("ddtree", "direct"):
+                _finish(ab, clock, arm, 0.1 * (1 + 0.05 * (n % 3)))
+            await asyncio.sleep(0.02)
+            clock.now += GUARDRAIL_EVERY_S / 4
+        await ab.stop()
+        return tripped, changed, ab.split.share
+
+    assert run(scenario()) == ((0.0, True), False, 0.5)
+
+
+def test_a_check_running_while_the_split_changes_does_not_apply():
+    clock = Clock()
+
+    async def scenario() -> float:
+        ab = _guarded_ab(clock)
+        await ab.start(_RUNTIME, CollectorRegistry())
+        for n in range(12):
+            _finish(ab, clock, "ddtree", 0.2 * (1 + 0.05 * (n % 3)))
+            _finish(ab, clock, "direct", 0.1 * (1 + 0.05 * (n % 3)))
+        await asyncio.sleep(0.02)
+        clock.now += GUARDRAIL_EVERY_S
+        _finish(ab, clock, "ddtree", 0.2)  # starts a check of a clearly slower DDTree arm
+        ab.change(b'{"split": 0.7}')  # ... and the split changes before it is done
+        await asyncio.sleep(0.2)
+        await ab.stop()
+        return ab.split.share
+
+    assert run(scenario()) == 0.7
+
+
+def test_a_failed_guardrail_check_is_logged_and_stop_cancels_a_running_one(monkeypatch, caplog):
+    clock = Clock()
+    release = threading.Event()
+
+    def failing(*args):
+        raise RuntimeError("no ratio")
+
+    def slow_and_slower(*args):  # a check that, once done, would trip the guardrail
+        release.wait(5)
+        return report.Interval(0.5, 0.4, 0.6)
+
+    async def scenario(ratio) -> float:
+        ab = _guarded_ab(clock)
+        await ab.start(_RUNTIME, CollectorRegistry())
+        monkeypatch.setattr(report, "median_ratio", ratio)
+        clock.now += GUARDRAIL_EVERY_S
+        _finish(ab, clock, "ddtree", 0.2)
+        await asyncio.sleep(0.05)
+        await ab.stop()
+        release.set()
+        await asyncio.sleep(0.05)
+        return ab.split.share
+
+    caplog.set_level(logging.ERROR, logger="ddtree_proxy.ab")
+    assert run(scenario(failing)) == 0.5
+    assert any("guardrail check failed" in r.getMessage() and r.exc_info for r in caplog.records)
+    try:
+        assert run(scenario(slow_and_slower)) == 0.5
+    finally:
+        release.set()

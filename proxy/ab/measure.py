@@ -81,7 +81,9 @@ class RequestRecord:
     ended: float  # monotonic clock, when the last byte went out
     ttft_s: float  # first token
     e2e_s: float  # the answer's end
-    itl_s: float | None  # mean gap between tokens after the first; None for one token
+    # Mean gap between tokens after the first; None when all tokens arrived at once (one
+    # token, or a JSON answer): there was no gap to measure.
+    itl_s: float | None
     num_tokens: int
     tokens_per_s: float  # num_tokens / time of the last token
 
@@ -122,7 +124,7 @@ class RequestTiming:
             return None
         end = self.clock()
         itl = None
-        if self.num_tokens > 1:
+        if self.gaps:  # more than one emission
             itl = (self.last - self.first) / (self.num_tokens - 1)
         elapsed = self.last - self.start
         return RequestRecord(
@@ -145,11 +147,9 @@ class ArmRecords:
         self.records: dict[Arm, deque[RequestRecord]] = {
             arm: deque(maxlen=MAX_RECORDS) for arm in ARMS
         }
-        self.num_finished: dict[Arm, int] = {arm: 0 for arm in ARMS}
 
     def add(self, record: RequestRecord) -> None:
         self.records[record.arm].append(record)
-        self.num_finished[record.arm] += 1
 
     def since(self, start: float) -> dict[Arm, list[RequestRecord]]:
         return {

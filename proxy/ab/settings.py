@@ -42,7 +42,7 @@ class ABSettings(BaseModel):
         gt=0,
         le=1,
         description="share of the time replays may take (their CPU is taken from a local "
-        "upstream; 0.05 replays every answer of one client)",
+        "upstream): after a job of T seconds the worker rests T (1 / share - 1)",
     )
     shadow_queue: int = Field(
         64, ge=1, description="answers waiting for a replay; beyond it, dropped (counted)"

@@ -83,6 +83,9 @@ async def replay(
         out.num_nodes.append(tree.num_nodes)
         out.path_tokens.append(int(tree.depths.sum()))
         out.draft_calls += drafted.draft_calls
+        # An in-process drafter, the walk and the bookkeeping never wait on anything:
+        # without this a whole replay would hold the event loop, and every request with it.
+        await asyncio.sleep(0)
     return out
 
 

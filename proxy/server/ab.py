@@ -5,8 +5,13 @@ replays of direct answers, and the admin and report routes.
 Eligible requests -- those DDTree could serve -- are the experiment: the split (or a
 forced arm: `x-ddtree: on|off`, a `ddtree` field) sends each to "ddtree" or "direct"
 (pass-through). Requests DDTree cannot serve are passed through outside it (arm header
-`passthrough`, not in the report). A direct answer's body is vLLM's, byte for byte,
-except for a shadow-sampled one whose token ids the proxy asked for and took out again.
+`passthrough`, not in the report). A direct answer's body is the bytes vLLM sent; for
+one sampled for a shadow replay, the proxy asked vLLM for token ids and, unless the
+client asked for them too, sets those arrays back to `null` in the bytes (as vLLM writes
+them when not asked), every other byte as vLLM sent it.
+
+Measuring and shadow hooks run inside the client's response; a failure there is logged
+and the answer goes on unchanged.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import asyncio
 import json
 import logging
 import random
+import re
 import time
 from typing import Any, AsyncIterator, Callable
 
@@ -29,6 +35,8 @@ from proxy.adaptive.policy import Policy
 from proxy.drafter.base import Drafter
 from proxy.runtime import Runtime
 from proxy.server.errors import RequestError
+from proxy.server.plan import max_tokens_in_force, requested_max_tokens
+from proxy.server.request_models import REQUEST_MODELS, Endpoint
 from proxy.server.settings import ServerSettings
 
 logger = logging.getLogger("ddtree_proxy.ab")
@@ -63,6 +71,10 @@ class AB:
         self._guardrail_checked = -GUARDRAIL_EVERY_S
         self._guardrail_task: asyncio.Task | None = None
         self.guardrail_tripped = False
+        # The guardrail judges only requests that ended after the split last changed.
+        self._num_changes = 0
+        self._changed_at = self.records.started
+        self._hooks = _Hooks()
 
     async def start(self, runtime: Runtime, registry) -> None:
         self.metrics = ABMetrics(registry, runtime.model_name, runtime.max_model_len)
@@ -87,6 +99,9 @@ class AB:
         self.shadow.start()
 
     async def stop(self) -> None:
+        if self._guardrail_task is not None:
+            self._guardrail_task.cancel()
+            await asyncio.wait([self._guardrail_task])
         if self.shadow is not None:
             await self.shadow.stop()
         for drafter in self._owned:
@@ -117,6 +132,8 @@ class AB:
             self.split = Split(share, self._rng)
         else:
             self.split.share = share
+        self._num_changes += 1
+        self._changed_at = self.records.clock()
         self._show_split()
 
     def state(self) -> dict[str, Any]:
@@ -134,6 +151,7 @@ class AB:
                                param="split")  # fmt: skip
         logger.warning("A/B split changed: %s -> %s", self.state()["split"], share)
         self.set_split(share)
+        self.guardrail_tripped = False
         return self.state()
 
     # ----- timing -----------------------------------------------------------------
@@ -151,26 +169,26 @@ class AB:
         """Name the arm on `response`; finish `timing` when its body has gone out
         (`on_chunk` sees each piece first)."""
         response.headers[ARM_HEADER] = timing.arm
+        hooks = self._hooks
+        ok = response.status_code == 200
         if not hasattr(response, "body_iterator"):
-            if on_chunk is not None:
-                on_chunk(response.body)
-            self.finish(timing, response.status_code == 200)
+            if on_chunk is not None and ok:
+                ok = hooks.run("timing", on_chunk, response.body)
+            hooks.run("timing", self.finish, timing, ok)
             return response
         inner = response.body_iterator
-        ok = response.status_code == 200
 
         async def body() -> AsyncIterator[bytes]:
+            measured = ok  # False after a failed hook: the clock missed tokens
             complete = False
             try:
                 async for chunk in inner:
-                    if on_chunk is not None and ok:
-                        on_chunk(chunk)
+                    if on_chunk is not None and measured:
+                        measured = hooks.run("timing", on_chunk, chunk)
                     yield chunk
                 complete = True
             finally:
-                if not complete:
-                    timing.finish_reason = "abort"
-                self.finish(timing, ok and complete)
+                hooks.run("timing", self.finish, timing, measured and complete)
 
         response.body_iterator = body()
         return response
@@ -184,6 +202,7 @@ class AB:
         self,
         relay: Callable[[dict[str, Any]], Any],
         body: dict[str, Any],
+        endpoint: Endpoint,
         timing: RequestTiming,
         runtime: Runtime,
     ) -> Response:
@@ -194,10 +213,14 @@ class AB:
             response = await relay(body)
             return self.watch(response, timing, _TokenCounter(timing, stream))
         asked = body.get("return_token_ids") is True
+
+        def queue(prompt_ids: list[int], output_ids: list[int]) -> None:
+            self._queue_replay(prompt_ids, output_ids, body, endpoint, runtime)
+
         response = await relay(body | {"return_token_ids": True})
         if stream:
             if response.status_code == 200:
-                ids = _StreamIds(asked, lambda answer: self._queue_replay(answer, body, runtime))
+                ids = _StreamIds(asked, queue, self._hooks)
                 response.body_iterator = ids.relay(response.body_iterator)
             return self.watch(response, timing, _TokenCounter(timing, True))
         chunks = [chunk async for chunk in response.body_iterator]
@@ -205,24 +228,28 @@ class AB:
         headers = {name.decode("latin-1"): value.decode("latin-1")
                    for name, value in response.raw_headers if name != b"content-length"}  # fmt: skip
         if response.status_code == 200:
-            answer = json.loads(content)
-            self._queue_replay(answer, body, runtime)
+            self._hooks.run("shadow", _queue_answer, content, queue)
             if not asked:
-                content = json.dumps(_without_token_ids(answer), ensure_ascii=False,
-                                     separators=(",", ":")).encode()  # fmt: skip
+                content = without_token_ids(content)
         plain = Response(content, status_code=response.status_code, headers=headers)
         return self.watch(plain, timing, _TokenCounter(timing, False))
 
-    def _queue_replay(self, answer: dict[str, Any], body: dict[str, Any], runtime: Runtime) -> None:
+    def _queue_replay(
+        self,
+        prompt_ids: list[int],
+        output_ids: list[int],
+        body: dict[str, Any],
+        endpoint: Endpoint,
+        runtime: Runtime,
+    ) -> None:
+        """Queue a replay run to the output limit the request had (what DDTree would have
+        run to: the loop's depth rule depends on it)."""
         assert self.shadow is not None
-        choice = answer["choices"][0]
-        prompt_ids = answer.get("prompt_token_ids") or choice.get("prompt_token_ids")
-        output_ids = choice.get("token_ids")
         if not prompt_ids or not output_ids:
             return
-        limit = body.get("max_completion_tokens") or body.get("max_tokens")
+        requested, _ = requested_max_tokens(REQUEST_MODELS[endpoint].parse(body))
         room = runtime.max_model_len - len(prompt_ids)
-        max_tokens = min(int(limit), room) if isinstance(limit, int) else room
+        max_tokens = max_tokens_in_force(requested, room, runtime.generation_defaults)
         self.shadow.offer(ShadowJob(list(prompt_ids), list(output_ids), max_tokens))
 
     # ----- the report and the guardrail -------------------------------------------
@@ -261,7 +288,8 @@ class AB:
         and its ratio to the direct arm's decode rate (1 / median inter-token latency)."""
         assert self.shadow is not None
         policy = self._policy
-        itls = [r.itl_s for r in direct if r.itl_s is not None]
+        # A decode rate needs a gap: answers whose tokens came at once have none.
+        itls = [r.itl_s for r in direct if r.itl_s is not None and r.itl_s > 0]
         if policy is None or policy.calls.num_rows == 0 or not itls:
             rows = self.shadow.table()
             source = "none: no DDTree rounds measured" if itls else "none: no direct answers"
@@ -284,50 +312,109 @@ class AB:
 
     def _check_guardrail(self) -> None:
         """Every GUARDRAIL_EVERY_S at most, in the background: split 0 when the recent
-        window shows DDTree clearly slower (the ratio's whole interval below 1)."""
+        window, from the split's latest change on, shows DDTree clearly slower (the
+        ratio's whole interval below 1)."""
         if not self.settings.ab_guardrail or self.split is None or self.split.share == 0:
             return
         now = self.records.clock()
         if now - self._guardrail_checked < GUARDRAIL_EVERY_S:
             return
+        if self._guardrail_task is not None and not self._guardrail_task.done():
+            return  # one check at a time: stop() cancels the one running
         self._guardrail_checked = now
-        self._guardrail_task = asyncio.get_running_loop().create_task(self._guardrail())
+        recent = self.records.since(max(now - self.settings.ab_window, self._changed_at))
+        task = asyncio.get_running_loop().create_task(self._guardrail(recent, self._num_changes))
+        task.add_done_callback(_log_guardrail_failure)
+        self._guardrail_task = task
 
-    async def _guardrail(self) -> None:
-        recent = (await self.report())["windows"]["recent"]
-        ratio = recent["tokens_per_s_ratio"]
-        if ratio is not None and ratio[2] < 1 and self.split is not None and self.split.share > 0:
-            logger.warning("A/B guardrail: DDTree/direct tokens/s %.3g [%.3g, %.3g] over the "
-                           "recent window: split set to 0", *ratio)  # fmt: skip
-            self.set_split(0.0)
-            self.guardrail_tripped = True
-            assert self.metrics is not None
-            self.metrics.guardrail_trips.inc()
+    async def _guardrail(self, recent: dict[Arm, list[RequestRecord]], num_changes: int) -> None:
+        rng = np.random.default_rng(report.SEED)  # as the report's window draws it
+        ratio = await asyncio.to_thread(
+            report.median_ratio, recent["ddtree"], recent["direct"], rng
+        )
+        if ratio is None or ratio.high >= 1:
+            return
+        if num_changes != self._num_changes or self.split is None or self.split.share == 0:
+            return  # the split changed while this ran: judged on the old one
+        logger.warning("A/B guardrail: DDTree/direct tokens/s %.3g [%.3g, %.3g] over the "
+                       "recent window: split set to 0", ratio.value, ratio.low, ratio.high)  # fmt: skip
+        self.set_split(0.0)
+        self.guardrail_tripped = True
+        assert self.metrics is not None
+        self.metrics.guardrail_trips.inc()
 
 
-def _without_token_ids(answer: dict[str, Any]) -> dict[str, Any]:
-    """`answer` as vLLM writes it without `return_token_ids`: the ids it added (top
-    level and per choice) are null there."""
-    ids = ("prompt_token_ids", "token_ids")
-    out = {key: None if key in ids else value for key, value in answer.items()}
-    if "choices" in answer:
-        out["choices"] = [
-            {key: None if key in ids else value for key, value in choice.items()}
-            for choice in answer["choices"]
-        ]
-    return out
+def _log_guardrail_failure(task: asyncio.Task) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        logger.error("A/B guardrail check failed", exc_info=task.exception())
+
+
+class _Hooks:
+    """Runs the A/B code that sits in a client's response (timing, collecting token
+    ids, queueing replays): a failure is logged, the first of each kind with its
+    traceback, and never reaches the client."""
+
+    def __init__(self) -> None:
+        self.failed: set[str] = set()
+
+    def run(self, kind: str, call: Callable[..., None], *args: Any) -> bool:
+        """`call(*args)`; False when it raised."""
+        try:
+            call(*args)
+        except Exception:
+            if kind in self.failed:
+                logger.debug("A/B %s hook failed again", kind, exc_info=True)
+            else:
+                self.failed.add(kind)
+                logger.exception("A/B %s hook failed (logged once); the answer goes on "
+                                 "unchanged", kind)  # fmt: skip
+            return False
+        return True
+
+
+# Token id arrays in a JSON document, found without parsing it. Matched from the start,
+# each match begins at a string's opening quote (outside strings JSON has no quote) and
+# ends at its closing one or past the array after it, so every match is a whole string:
+# text inside a string value ('"token_ids":[1]' written in a prompt) is never taken for
+# a key. A key is a string followed by ':'; a string value never is.
+_TOKEN_IDS = re.compile(rb'"(?:prompt_)?token_ids"\s*:\s*(\[[0-9,\s]*\])|"(?:[^"\\]|\\.)*"',
+                        re.DOTALL)  # fmt: skip
+
+
+def without_token_ids(raw: bytes) -> bytes:
+    """`raw` (a JSON answer or one event of a stream) as vLLM writes it without
+    `return_token_ids`: each `token_ids` and `prompt_token_ids` array null, every other
+    byte unchanged (parsing and writing it again would not be: Python writes vLLM's
+    -0.000012345 as -1.2345e-05)."""
+    pieces, end = [], 0
+    for match in _TOKEN_IDS.finditer(raw):
+        if match.group(1) is not None:
+            pieces += [raw[end : match.start(1)], b"null"]
+            end = match.end(1)
+    pieces.append(raw[end:])
+    return b"".join(pieces)
+
+
+def _queue_answer(content: bytes, queue: Callable[[list[int], list[int]], None]) -> None:
+    """Queue a JSON answer's prompt and output ids for a replay."""
+    answer = json.loads(content)
+    choice = answer["choices"][0]
+    queue(answer.get("prompt_token_ids") or choice.get("prompt_token_ids"), choice.get("token_ids"))
 
 
 class _StreamIds:
     """A shadow-sampled stream: collects the token ids vLLM sends (prompt ids in the
-    first chunk, each chunk's new ids) and, unless the client asked for them, sets them
-    to null in each event, as vLLM writes them without `return_token_ids`."""
+    first chunk, each chunk's new ids), queues them at the end and, unless the client
+    asked for them, sets them to null in each event, as vLLM writes them without
+    `return_token_ids`. An event it cannot read ends the collecting, not the stream."""
 
-    def __init__(self, asked: bool, done: Callable[[dict[str, Any]], None]):
+    def __init__(self, asked: bool, done: Callable[[list[int], list[int]], None], hooks: _Hooks):
         self.asked = asked
         self.done = done
+        self.hooks = hooks
         self.prompt_ids: list[int] = []
         self.output_ids: list[int] = []
+        self.collecting = True
 
     async def relay(self, chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
         pending = b""
@@ -338,21 +425,22 @@ class _StreamIds:
                 yield out
         if pending:
             yield pending
-        answer = {"choices": [{"token_ids": self.output_ids}], "prompt_token_ids": self.prompt_ids}
-        self.done(answer)
+        if self.collecting:
+            self.hooks.run("shadow", self.done, self.prompt_ids, self.output_ids)
 
     def _event(self, event: bytes) -> bytes:
         if not event.startswith(b"data: {"):
             return event
+        if self.collecting:
+            self.collecting = self.hooks.run("shadow", self._collect, event)
+        return event if self.asked else without_token_ids(event)
+
+    def _collect(self, event: bytes) -> None:
         data = json.loads(event[6:])
         for holder in (data, *(data.get("choices") or ())):
             self.prompt_ids += holder.get("prompt_token_ids") or ()
         for choice in data.get("choices") or ():
             self.output_ids += choice.get("token_ids") or ()
-        if self.asked:
-            return event
-        data = _without_token_ids(data)
-        return b"data: " + json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode()
 
 
 class _TokenCounter:
@@ -403,7 +491,7 @@ def split_of(raw: bytes) -> float | None:
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise RequestError(f"request body is not valid JSON: {exc}") from None
-    if not isinstance(body, dict) or "split" not in body or set(body) != {"split"}:
+    if not isinstance(body, dict) or set(body) != {"split"}:
         raise RequestError('send {"split": F} with F between 0 and 1, or null for no split',
                            param="split")  # fmt: skip
     share = body["split"]

@@ -134,7 +134,9 @@ class Handlers:
                         request, endpoint, raw if same else None, sent, reason=label
                     )
 
-                return await self.ab.direct(relay_body, body, RequestTiming("direct"), runtime)
+                return await self.ab.direct(
+                    relay_body, body, endpoint, RequestTiming("direct"), runtime
+                )
         timing = RequestTiming("ddtree")
         parsed = request_model.parse(body, refuse_unknown=runtime.mode == "engine")
         if parsed.model is not None and parsed.model != runtime.model_name:

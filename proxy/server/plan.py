@@ -70,8 +70,6 @@ async def plan_request(
             prompt_ids = await runtime.tokens.encode(prompt, parsed.add_special_tokens)
         else:
             prompt_ids = list(prompt)
-        max_tokens = 16 if parsed.max_tokens is None else parsed.max_tokens
-        max_tokens_field = "max_tokens"
         prompt_field = "prompt"
     else:
         assert isinstance(parsed, ChatCompletionRequest)
@@ -84,12 +82,8 @@ async def plan_request(
             )
         except ValueError as exc:
             raise RequestError(f"messages: {exc}", param="messages") from None
-        # vLLM: max_completion_tokens when given (even 0), else the deprecated max_tokens.
-        if parsed.max_completion_tokens is not None:
-            max_tokens, max_tokens_field = parsed.max_completion_tokens, "max_completion_tokens"
-        else:
-            max_tokens, max_tokens_field = parsed.max_tokens, "max_tokens"
         prompt_field = "messages"
+    max_tokens, max_tokens_field = requested_max_tokens(parsed)
     vocab_size = runtime.vocab_size
     if vocab_size is not None and prompt_ids:
         # vLLM's Renderer.validate_token_ids (it names the lowest id if negative, else the
@@ -132,7 +126,7 @@ async def plan_request(
             param=prompt_field,
         )
     defaults = runtime.generation_defaults
-    max_tokens = _max_tokens(max_tokens, limit - len(prompt_ids), defaults)
+    max_tokens = max_tokens_in_force(max_tokens, limit - len(prompt_ids), defaults)
     sampling = _sampling(parsed, defaults)
     want_logprobs = (
         parsed.logprobs is not None
@@ -183,7 +177,20 @@ async def plan_request(
     )
 
 
-def _max_tokens(requested: int | None, room: int, defaults: GenerationDefaults) -> int:
+def requested_max_tokens(
+    parsed: CompletionRequest | ChatCompletionRequest,
+) -> tuple[int | None, str]:
+    """The request's own output limit and the field it came from, as vLLM reads them: a
+    completion's max_tokens (unset or null: 16); a chat's max_completion_tokens when
+    given (even 0), else its deprecated max_tokens (None: the defaults decide)."""
+    if isinstance(parsed, CompletionRequest):
+        return (16 if parsed.max_tokens is None else parsed.max_tokens), "max_tokens"
+    if parsed.max_completion_tokens is not None:
+        return parsed.max_completion_tokens, "max_completion_tokens"
+    return parsed.max_tokens, "max_tokens"
+
+
+def max_tokens_in_force(requested: int | None, room: int, defaults: GenerationDefaults) -> int:
     """The output limit vLLM would run to (vllm/entrypoints/serve/utils/api_utils.py,
     `get_max_tokens`): the request's, else the default max_tokens, else the room left;
     never past the room (the output stops there with "length" rather than refusing) nor
