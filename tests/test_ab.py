@@ -699,6 +699,7 @@ def test_a_failed_guardrail_check_is_logged_and_stop_cancels_a_running_one(monke
         return report.Interval(0.5, 0.4, 0.6)
 
     async def scenario(ratio) -> float:
+        release.clear()  # set by the scenario before
         ab = _guarded_ab(clock)
         await ab.start(_RUNTIME, CollectorRegistry())
         monkeypatch.setattr(report, "median_ratio", ratio)
