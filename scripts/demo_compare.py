@@ -5,7 +5,8 @@ Used by scripts/demo.sh once the stack is up. Three passes over a few prompts: a
 (untimed; the proxy's adaptive policy measures speculation and plain generation), the
 proxy as it is by default against vLLM alone, and the proxy with speculation forced on
 every step (`"ddtree": {"policy": "fixed"}`). Greedy, so every output must equal
-vLLM's token for token.
+vLLM's token for token. Last, the proxy's A/B report of its two arms (the direct arm:
+the prompts sent with `x-ddtree: off`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import time
 from dataclasses import dataclass
 
 import httpx
+
+from proxy.ab.report import MIN_REQUESTS, format_report
 
 # Prompts on which the shipped target (8.5 M parameters, trained on Python's standard
 # library) writes code-shaped text under greedy decoding; a lone function header sends
@@ -36,9 +39,9 @@ class Answer:
     ddtree: dict  # usage.ddtree: what the proxy did ({} from vLLM)
 
 
-def complete(url: str, body: dict, timeout: float) -> Answer:
+def complete(url: str, body: dict, timeout: float, headers: dict | None = None) -> Answer:
     start = time.perf_counter()
-    response = httpx.post(f"{url}/v1/completions", json=body, timeout=timeout)
+    response = httpx.post(f"{url}/v1/completions", json=body, timeout=timeout, headers=headers)
     seconds = time.perf_counter() - start
     if response.status_code != 200:
         sys.exit(f"demo: {url} answered {response.status_code}: {response.text[:500]}")
@@ -162,7 +165,29 @@ def main() -> int:
               f"gave {fixed.tau:.1f}; the adaptive policy measures this and steps aside. "
               "On a GPU serving a large model one decode step costs more than a round's "
               "overhead, so speculation is projected to pay there (docs/PERFORMANCE.md).")
+    ab_pass(args.proxy_url, bodies, args.timeout)
     return 0 if num_identical == len(bodies) else 1
+
+
+def ab_pass(proxy_url: str, bodies: list[dict], timeout: float) -> None:
+    """The proxy's A/B report (`ddtree-proxy report`): every request above that the proxy
+    served with DDTree is in its DDTree arm; send the prompts through the proxy with
+    `x-ddtree: off` (vLLM's answer relayed: the direct arm) until that arm has the
+    report's minimum for a ratio, and print the report as a user running `--ab-split`
+    would read it."""
+    rounds = -(-MIN_REQUESTS // len(bodies))
+    print("=" * 72)
+    print(f"[demo] A/B: each prompt {rounds} times through the proxy with header "
+          "'x-ddtree: off' (the direct arm: vLLM's answer relayed), then the proxy's own "
+          "report of both arms (GET /ddtree/report). Its DDTree arm is every request above "
+          "that the proxy served, the forced-speculation ones included; with --ab-split "
+          "the proxy splits live traffic itself (README, A/B testing)")
+    for _ in range(rounds):
+        for body in bodies:
+            complete(proxy_url, body, timeout, headers={"x-ddtree": "off"})
+    response = httpx.get(f"{proxy_url}/ddtree/report", timeout=timeout)
+    response.raise_for_status()
+    print(format_report(response.json()))
 
 
 if __name__ == "__main__":
