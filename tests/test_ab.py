@@ -27,6 +27,7 @@ from proxy.ab.measure import ABMetrics, RequestRecord, RequestTiming, speculativ
 from proxy.ab.settings import ABSettings, split_drafter_specs
 from proxy.ab.shadow import Shadow, ShadowJob, replay
 from proxy.ab.split import Split, key_point
+from proxy.adaptive.policy import Policy
 from proxy.decoding import (
     GenerationRequest,
     GenerationStats,
@@ -718,3 +719,37 @@ def test_a_failed_guardrail_check_is_logged_and_stop_cancels_a_running_one(monke
         assert run(scenario(slow_and_slower)) == 0.5
     finally:
         release.set()
+
+
+def test_shadow_predictions_use_a_replicas_fit_when_there_are_several():
+    """With several upstream replicas each has its own policy and the runtime's stays
+    empty: the shadow's rounds are priced with the replica that measured the most
+    rounds, named in cost_source; with none measured, no prediction."""
+    clock = Clock()
+    policy = Policy(clock)
+    measured = policy.for_replica("http://b:8000")
+    policy.for_replica("http://a:8000")  # served nothing speculative yet
+    runtime = SimpleNamespace(**(vars(_RUNTIME) | {"policy": policy}))
+
+    async def scenario():
+        ab = _direct_ab()
+        await ab.start(runtime, CollectorRegistry())
+        assert ab.shadow is not None
+        await ab.shadow.replay_job(ShadowJob([1, 2, 3, 1, 2], [3, 1, 2, 3, 1, 2, 3, 1], max_tokens=8))
+        direct = RequestTiming("direct", clock)
+        for _ in range(8):  # one token every 10 ms
+            clock.now += 0.01
+            direct.tokens(1)
+        ab.finish(direct, True)
+        before = ab._shadow_table(ab.records.since(0.0)["direct"])
+        for num_prompts in range(1, 9):  # 20 ms a call, 2 ms a prompt
+            measured.calls.observe(num_prompts, 10 * num_prompts, 0.02 + 0.002 * num_prompts)
+        after = ab._shadow_table(ab.records.since(0.0)["direct"])
+        await ab.stop()
+        return before, after
+
+    before, after = run(scenario())
+    assert {row["cost_source"] for row in before} == {"none: no DDTree rounds measured"}
+    assert all(row["predicted_ratio"] is None for row in before)
+    assert {row["cost_source"] for row in after} == {"ddtree arm's rounds (replica http://b:8000)"}
+    assert all(row["predicted_ratio"] > 0 for row in after)

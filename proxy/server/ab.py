@@ -287,13 +287,14 @@ class AB:
         verification cost (the adaptive policy's fit), each pair's predicted tokens/s
         and its ratio to the direct arm's decode rate (1 / median inter-token latency)."""
         assert self.shadow is not None
-        policy = self._policy
+        policy, replica = _fitted(self._policy)
         # A decode rate needs a gap: answers whose tokens came at once have none.
         itls = [r.itl_s for r in direct if r.itl_s is not None and r.itl_s > 0]
-        if policy is None or policy.calls.num_rows == 0 or not itls:
+        if policy is None or not itls:
             rows = self.shadow.table()
             source = "none: no DDTree rounds measured" if itls else "none: no direct answers"
             return [row | {"predicted_ratio": None, "cost_source": source} for row in rows]
+        source = "ddtree arm's rounds" + ("" if replica is None else f" (replica {replica})")
         overhead = policy.overhead.ratio() or 0.0
 
         def round_seconds(num_prompts: float, computed_tokens: float) -> float:
@@ -304,7 +305,7 @@ class AB:
         for row in self.shadow.table(round_seconds):
             rate = row["predicted_tokens_per_s"]
             ratio = None if rate is None else round(rate * direct_itl, 3)
-            rows.append(row | {"predicted_ratio": ratio, "cost_source": "ddtree arm's rounds"})
+            rows.append(row | {"predicted_ratio": ratio, "cost_source": source})
         return rows
 
     async def report(self) -> dict[str, Any]:
@@ -342,6 +343,18 @@ class AB:
         self.guardrail_tripped = True
         assert self.metrics is not None
         self.metrics.guardrail_trips.inc()
+
+
+def _fitted(policy: Policy | None) -> tuple[Policy | None, str | None]:
+    """The policy whose verification-cost fit prices the shadow's rounds, and its
+    replica's name: with one upstream the runtime's own; with several, each replica has
+    its own policy (the runtime's stays empty) and the one with the most measured rounds
+    stands for them. (None, None) where no round has been measured."""
+    if policy is None:
+        return None, None
+    candidates = [(None, policy), *policy.replicas.items()]
+    replica, fitted = max(candidates, key=lambda item: item[1].calls.num_rows)
+    return (fitted, replica) if fitted.calls.num_rows else (None, None)
 
 
 def _log_guardrail_failure(task: asyncio.Task) -> None:
