@@ -22,8 +22,9 @@ class ABSettings(BaseModel):
     )
     ab_guardrail: bool = Field(
         False,
-        description="set the split to 0 when the recent window's DDTree/direct tokens/s "
-        "interval lies entirely below 1",
+        description="set the split to 0 when DDTree's per-request tokens/s are "
+        "significantly below direct's (a rank-sum test per block of 30 requests an arm, "
+        "at levels that sum to 0.05 over a split)",
     )
     ab_window: float = Field(300.0, gt=0, description="the report's recent window, seconds")
     shadow: float = Field(

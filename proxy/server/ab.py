@@ -22,15 +22,16 @@ import logging
 import random
 import re
 import time
+from collections import deque
 from typing import Any, AsyncIterator, Callable
 
 import numpy as np
 from fastapi import Request, Response
 
 from proxy.ab import report
-from proxy.ab.measure import ABMetrics, ArmRecords, RequestRecord, RequestTiming
+from proxy.ab.measure import MAX_RECORDS, ABMetrics, ArmRecords, RequestRecord, RequestTiming
 from proxy.ab.shadow import Shadow, ShadowJob
-from proxy.ab.split import Arm, Split
+from proxy.ab.split import ARMS, Arm, Split
 from proxy.adaptive.policy import Policy
 from proxy.drafter.base import Drafter
 from proxy.runtime import Runtime
@@ -42,8 +43,13 @@ from proxy.server.settings import ServerSettings
 logger = logging.getLogger("ddtree_proxy.ab")
 ARM_HEADER = "x-ddtree-arm"
 KEY_HEADER = "x-ddtree-ab-key"
-# The guardrail reads the recent window at most this often (a report costs a bootstrap).
-GUARDRAIL_EVERY_S = 10.0
+# The guardrail judges disjoint blocks of finished requests, each once both arms have
+# GUARDRAIL_BLOCK of them (from about 20 per arm the rank-sum test's normal
+# approximation is close to its exact distribution). The k-th block is judged at level
+# GUARDRAIL_ALPHA / (k (k + 1)); those levels sum to GUARDRAIL_ALPHA, so arms of equal
+# speed trip it with at most that chance however long a split runs.
+GUARDRAIL_BLOCK = 30
+GUARDRAIL_ALPHA = 0.05
 
 
 class AB:
@@ -68,12 +74,11 @@ class AB:
         self._tree_depth = settings.tree.depth
         self._proxy_mode = False
         self._policy: Policy | None = None
-        self._guardrail_checked = -GUARDRAIL_EVERY_S
-        self._guardrail_task: asyncio.Task | None = None
         self.guardrail_tripped = False
-        # The guardrail judges only requests that ended after the split last changed.
-        self._num_changes = 0
-        self._changed_at = self.records.started
+        # The guardrail's block being filled (tokens/s per request) and the blocks judged
+        # since the split last changed.
+        self._block: dict[Arm, deque[float]] = {arm: deque(maxlen=MAX_RECORDS) for arm in ARMS}
+        self._num_judged = 0
         self._hooks = _Hooks()
 
     async def start(self, runtime: Runtime, registry) -> None:
@@ -99,9 +104,6 @@ class AB:
         self.shadow.start()
 
     async def stop(self) -> None:
-        if self._guardrail_task is not None:
-            self._guardrail_task.cancel()
-            await asyncio.wait([self._guardrail_task])
         if self.shadow is not None:
             await self.shadow.stop()
         for drafter in self._owned:
@@ -132,8 +134,9 @@ class AB:
             self.split = Split(share, self._rng)
         else:
             self.split.share = share
-        self._num_changes += 1
-        self._changed_at = self.records.clock()
+        for values in self._block.values():  # a new split: a new experiment
+            values.clear()
+        self._num_judged = 0
         self._show_split()
 
     def state(self) -> dict[str, Any]:
@@ -162,7 +165,7 @@ class AB:
         self.metrics.observe(timing, record)
         if record is not None:
             self.records.add(record)
-            self._check_guardrail()
+            self._guard(record)
 
     def watch(self, response: Response, timing: RequestTiming,
               on_chunk: Callable[[bytes], None] | None = None) -> Response:  # fmt: skip
@@ -311,34 +314,31 @@ class AB:
     async def report(self) -> dict[str, Any]:
         return await asyncio.to_thread(self._report_inputs())
 
-    def _check_guardrail(self) -> None:
-        """Every GUARDRAIL_EVERY_S at most, in the background: split 0 when the recent
-        window, from the split's latest change on, shows DDTree clearly slower (the
-        ratio's whole interval below 1)."""
+    def _guard(self, record: RequestRecord) -> None:
+        """Add `record` to the guardrail's block; once both arms fill it, judge it: split
+        0 when DDTree's tokens/s are significantly lower (one-sided rank-sum test at the
+        block's level), then start the next block."""
         if not self.settings.ab_guardrail or self.split is None or self.split.share == 0:
             return
-        now = self.records.clock()
-        if now - self._guardrail_checked < GUARDRAIL_EVERY_S:
+        block = self._block
+        block[record.arm].append(record.tokens_per_s)
+        if min(len(values) for values in block.values()) < GUARDRAIL_BLOCK:
             return
-        if self._guardrail_task is not None and not self._guardrail_task.done():
-            return  # one check at a time: stop() cancels the one running
-        self._guardrail_checked = now
-        recent = self.records.since(max(now - self.settings.ab_window, self._changed_at))
-        task = asyncio.get_running_loop().create_task(self._guardrail(recent, self._num_changes))
-        task.add_done_callback(_log_guardrail_failure)
-        self._guardrail_task = task
-
-    async def _guardrail(self, recent: dict[Arm, list[RequestRecord]], num_changes: int) -> None:
-        rng = np.random.default_rng(report.SEED)  # as the report's window draws it
-        ratio = await asyncio.to_thread(
-            report.median_ratio, recent["ddtree"], recent["direct"], rng
-        )
-        if ratio is None or ratio.high >= 1:
+        ddtree, direct = np.asarray(block["ddtree"]), np.asarray(block["direct"])
+        for values in block.values():
+            values.clear()
+        self._num_judged += 1
+        level = GUARDRAIL_ALPHA / (self._num_judged * (self._num_judged + 1))
+        p = report.slower_p(ddtree, direct)
+        ratio = float(np.median(ddtree) / np.median(direct))
+        logger.info("A/B guardrail: block %d, DDTree/direct median tokens/s %.3g over %d and "
+                    "%d requests, p %.2g (trips below %.2g)", self._num_judged, ratio,
+                    len(ddtree), len(direct), p, level)  # fmt: skip
+        if p >= level:
             return
-        if num_changes != self._num_changes or self.split is None or self.split.share == 0:
-            return  # the split changed while this ran: judged on the old one
-        logger.warning("A/B guardrail: DDTree/direct tokens/s %.3g [%.3g, %.3g] over the "
-                       "recent window: split set to 0", ratio.value, ratio.low, ratio.high)  # fmt: skip
+        logger.warning("A/B guardrail: DDTree/direct median tokens/s %.3g over %d and %d "
+                       "requests, p %.2g < %.2g: split set to 0", ratio, len(ddtree),
+                       len(direct), p, level)  # fmt: skip
         self.set_split(0.0)
         self.guardrail_tripped = True
         assert self.metrics is not None
