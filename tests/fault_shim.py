@@ -38,6 +38,8 @@ _REASONS = {200: "OK", 500: "Internal Server Error", 503: "Service Unavailable"}
 class ShimStats:
     calls: Counter = field(default_factory=Counter)  # path -> requests received
     faults: Counter = field(default_factory=Counter)  # fault kind -> injected
+    # fault kind -> injected into a streaming call (its body asks for "stream": true)
+    stream_faults: Counter = field(default_factory=Counter)
     auth_headers: list[str | None] = field(default_factory=list)  # per forwarded call
 
 
@@ -139,6 +141,8 @@ class FaultShim:
         if route in self.paths and self._rng.random() < self.rate:
             fault = self._rng.choice(self.faults)
             self.stats.faults[fault] += 1
+            if _streaming(body):
+                self.stats.stream_faults[fault] += 1
         if fault == "reset":
             sock = writer.get_extra_info("socket")
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
@@ -162,6 +166,13 @@ class FaultShim:
         content_type = response.headers.get("content-type", "application/json")
         await _write_response(writer, response.status_code, content, content_type)
         return True
+
+
+def _streaming(body: bytes) -> bool:
+    try:
+        return json.loads(body).get("stream") is True
+    except (ValueError, AttributeError):  # not JSON, or not an object
+        return False
 
 
 async def _read_request(

@@ -134,7 +134,11 @@ def test_outputs_stay_exact_under_10_percent_faults(vllm_server):
     assert set(shim.stats.faults) == set(FAULTS), shim.stats.faults
     assert 0.05 < sum(shim.stats.faults.values()) / fault_calls < 0.15
     retries = metrics.total("ddtree_upstream_retries_total")
-    assert retries >= sum(shim.stats.faults.values()) * 0.9
+    # Every fault is retried but a truncated plain stream's: the tokens it brought are
+    # the target's own, and the request goes on from them with a round (no retry). The
+    # share of those depends on how often the policy chose plain streams.
+    retriable = sum(shim.stats.faults.values()) - shim.stats.stream_faults["truncate"]
+    assert retries >= retriable, (retries, shim.stats.faults, shim.stats.stream_faults)
     assert not any(sample.name == "ddtree_upstream_errors_total" for sample in metrics.samples)
     print(
         f"\n[faults] {NUM_REQUESTS} requests, {fault_calls} upstream calls, "

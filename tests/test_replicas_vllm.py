@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
+import signal
 import subprocess
 import time
 
@@ -213,11 +215,17 @@ def test_sigkill_of_a_replica_during_concurrent_streams(vllm_server, replica_b, 
                 )
                 for idx, p in enumerate(prompts)
             ]
+            holding = 0
             while not all(task.done() for task in tasks):
                 health = (await client.get("/health")).json()["upstream"]["replicas"]
-                if next(r for r in health if r["url"] == b.url)["in_flight"] >= 3:
+                holding = next(r for r in health if r["url"] == b.url)["in_flight"]
+                if holding >= 3:
                     break
                 await asyncio.sleep(0.02)
+            assert holding >= 3, "every stream ended before replica B held 3 of them"
+            # Frozen at once, so that the streams B holds cannot end while the kill lands
+            # (a full-suite run on 2 cores saw none of them move).
+            os.killpg(b.pid, signal.SIGSTOP)
             await asyncio.to_thread(b.kill)
             return await asyncio.gather(*tasks)
 
