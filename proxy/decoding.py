@@ -231,10 +231,11 @@ async def stream_generate(
     session = await target.start(request.prompt_ids, options)
     decisions: RequestPolicy | None = None
     if policy is not None and use_drafter and settings.policy == "adaptive":
-        decisions = policy.for_replica(session.replica).request(
+        decisions = policy.request(
             can_plain=session.plain is not None,
             seeded=request.sampling.seed is not None,
             client_streams=request.stream,
+            replica=lambda: session.replica,
         )
     stretch: _PlainStretch | None = None
     try:

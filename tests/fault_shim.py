@@ -8,7 +8,9 @@ Faults (FAULTS):
                   then closes;
 * ``http500`` / ``http503`` -- an OpenAI-style error body with that status;
 * ``truncate`` -- vLLM's real answer cut in half, sent with a matching Content-Length
-                  (a well-formed HTTP response carrying malformed JSON).
+                  (a well-formed HTTP response carrying malformed JSON); a stream's
+                  answer is cut after the last whole event of its first half (a stream
+                  whose connection closed early: no [DONE]).
 
 Every other call is forwarded to the upstream and its answer relayed whole (bodies
 are buffered: the tests send JSON calls, not streams). The shim counts calls per path,
@@ -53,7 +55,10 @@ class FaultShim:
         paths: tuple[str, ...] = ("/v1/completions", "/tokenize", "/detokenize"),
         delay_s: float = 3.0,
         seed: int = 0,
+        only_streams: bool = False,
     ) -> None:
+        """`rate`: the share of calls to `paths` that get one of `faults` (drawn with
+        `seed`); `only_streams`: only calls whose body asks for a stream."""
         unknown = set(faults) - set(FAULTS)
         if unknown:
             raise ValueError(f"Unknown faults: {sorted(unknown)}; valid: {FAULTS}")
@@ -62,6 +67,7 @@ class FaultShim:
         self.faults = faults
         self.paths = paths
         self.delay_s = delay_s
+        self.only_streams = only_streams
         self.stats = ShimStats()
         self._rng = random.Random(seed)
         self._loop = asyncio.new_event_loop()
@@ -138,10 +144,12 @@ class FaultShim:
         route = path.split("?", 1)[0]
         self.stats.calls[route] += 1
         fault = None
-        if route in self.paths and self._rng.random() < self.rate:
+        streaming = _streaming(body)
+        eligible = route in self.paths and (streaming or not self.only_streams)
+        if eligible and self._rng.random() < self.rate:
             fault = self._rng.choice(self.faults)
             self.stats.faults[fault] += 1
-            if _streaming(body):
+            if streaming:
                 self.stats.stream_faults[fault] += 1
         if fault == "reset":
             sock = writer.get_extra_info("socket")
@@ -162,7 +170,10 @@ class FaultShim:
         response = await self._client.request(method, path, content=body, headers=forward)
         content = response.content
         if fault == "truncate":
-            content = content[: len(content) // 2]
+            cut = len(content) // 2
+            if streaming and b"\n\n" in content[:cut]:
+                cut = content.rfind(b"\n\n", 0, cut) + 2
+            content = content[:cut]
         content_type = response.headers.get("content-type", "application/json")
         await _write_response(writer, response.status_code, content, content_type)
         return True

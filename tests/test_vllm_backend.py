@@ -19,8 +19,8 @@ from conftest import run
 from transformers import AutoTokenizer
 
 from benchmarks.upstream import Upstream, free_port
-from proxy.backend.base import SessionOptions, TargetError
-from proxy.backend.vllm import VLLMHttp, VLLMTarget
+from proxy.backend.base import PlainStreamLost, SessionOptions, TargetError
+from proxy.backend.vllm import RetryPolicy, VLLMHttp, VLLMTarget
 from proxy.backend.vllm_tokens import VLLMTokens
 from proxy.sampling import SamplingParams, derive_seed
 from proxy.tree import DraftDistribution, DraftTree, build_chain, build_tree, walk
@@ -508,6 +508,49 @@ def test_respx_seeded_sampling_sends_one_seeded_call_per_depth():
         assert (body["temperature"], body["top_p"], body["top_k"], body["max_tokens"]) == (
             0.8, 0.9, 20, 1
         )  # fmt: skip
+
+
+def _event(token_id: int) -> str:
+    return "data: " + json.dumps({"choices": [{"index": 0, "token_ids": [token_id]}]}) + "\n\n"
+
+
+@pytest.mark.parametrize(
+    ("body", "kind"),
+    [
+        (_event(11) + _event(12), "network"),  # closed at an event boundary, no [DONE]
+        (_event(11) + _event(12)[:20], "malformed"),  # cut inside an event
+    ],
+)
+@pytest.mark.parametrize("seed", [None, 5])
+def test_respx_a_plain_stream_broken_after_its_first_tokens(body, kind, seed):
+    """A stream that ends early is a failure, never a finished generation. Unseeded, the
+    tokens so far are the target's and the loop goes on from them; seeded, vLLM drew
+    them in one call from the seed, and any other call would draw otherwise: the
+    request fails (PlainStreamLost)."""
+
+    got: list[int] = []
+
+    async def scenario() -> None:
+        with respx.mock(base_url=URL, assert_all_called=True) as mock:
+            mock.post("/v1/completions").mock(
+                return_value=httpx.Response(200, content=body.encode(),
+                                            headers={"content-type": "text/event-stream"})
+            )  # fmt: skip
+            target = VLLMTarget(VLLMHttp(URL, retry=RetryPolicy(max_retries=0)), "m", 2048, (0,))
+            params = SamplingParams(temperature=0.8, seed=seed)
+            session = await target.start(COMMITTED, SessionOptions(params))
+            try:
+                async for tokens, _ in session.plain(COMMITTED, 8):
+                    got.extend(tokens)
+            finally:
+                await target.aclose()
+
+    with pytest.raises(TargetError) as failure:
+        run(scenario())
+    assert got == ([11, 12] if kind == "network" else [11])  # what came before, in order
+    assert failure.value.kind == kind
+    assert isinstance(failure.value, PlainStreamLost) == (seed is not None), failure.value
+    assert ("without [DONE]" if kind == "network" else "malformed JSON") in str(failure.value)
 
 
 def test_respx_models_listing_and_api_key():

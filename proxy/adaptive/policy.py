@@ -146,11 +146,20 @@ class Policy:
             self.replicas[replica] = Policy(self.clock, self.trace)
         return self.replicas[replica]
 
-    def request(self, *, can_plain: bool, seeded: bool, client_streams: bool) -> RequestPolicy:
+    def request(
+        self,
+        *,
+        can_plain: bool,
+        seeded: bool,
+        client_streams: bool,
+        replica: Callable[[], str | None] = lambda: None,
+    ) -> RequestPolicy:
         """A request's decisions. `can_plain`: its target session generates plainly
-        (`TargetSession.plain`); `client_streams`: the client reads a stream."""
+        (`TargetSession.plain`); `client_streams`: the client reads a stream; `replica`:
+        the upstream replica serving the request now (a failover moves it), whose
+        estimates (`for_replica`) decide and learn each step."""
         self._next_request += 1
-        return RequestPolicy(self, self._next_request, can_plain, seeded, client_streams)
+        return RequestPolicy(self, replica, self._next_request, can_plain, seeded, client_streams)
 
     # ----- the numbers ------------------------------------------------------------
 
@@ -205,7 +214,8 @@ class Policy:
 class RequestPolicy:
     """One request's decisions."""
 
-    policy: Policy
+    root: Policy  # the runtime's policy (`Policy.request`)
+    replica: Callable[[], str | None]
     request_id: int
     can_plain: bool
     seeded: bool
@@ -214,10 +224,16 @@ class RequestPolicy:
     _stream_open: bool = False
     _plain_failed: bool = False
     _num_remeasured: int = 0
+    _decided_on: str | None = None  # the replica serving the request at the last decision
     _shadows: list[_Shadow] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.side = self.policy.prevailing
+
+    @property
+    def policy(self) -> Policy:
+        """The estimates of the replica serving the request now."""
+        return self.root.for_replica(self.replica())
 
     def decide(
         self, tree: DraftTree, *, position: int, unseen_tokens: int, remaining: int
@@ -227,6 +243,7 @@ class RequestPolicy:
         has not processed, and the tokens the request may still produce."""
         decision, numbers = self._decide(tree, unseen_tokens, remaining)
         policy = self.policy
+        self._decided_on = self.replica()
         kind = "plain" if isinstance(decision, Plain) else "speculate"
         policy.decisions[kind, decision.reason] += 1
         if kind != self.side:
@@ -301,10 +318,13 @@ class RequestPolicy:
     def record(self, outcome: Outcome) -> None:
         policy = self.policy
         if isinstance(outcome, RoundResult):
-            policy.calls.observe(
-                outcome.num_prompts, outcome.computed_tokens, outcome.call_seconds
-            )
-            policy.overhead.add(max(0.0, outcome.seconds - outcome.call_seconds), 1.0)
+            # A round that a failover moved timed two replicas and the failure between
+            # them: its acceptance is real, its cost is neither replica's.
+            if self.replica() == self._decided_on:
+                policy.calls.observe(
+                    outcome.num_prompts, outcome.computed_tokens, outcome.call_seconds
+                )
+                policy.overhead.add(max(0.0, outcome.seconds - outcome.call_seconds), 1.0)
             policy.calibration.observe(outcome.tree, outcome.accepted_nodes)
         elif isinstance(outcome, PlainTokens):
             self._walk_shadows(outcome.committed)

@@ -55,8 +55,8 @@ class TargetError(RuntimeError):
 
 class PlainStreamLost(TargetError):
     """A plain generation broke after its first tokens where going on from the committed
-    tokens would change the output (a seeded request vLLM draws in one call, served by
-    several replicas): the request fails instead of resuming."""
+    tokens would change the output (a seeded request, which vLLM draws in one call from
+    its seed): the request fails instead of resuming."""
 
 
 @dataclass(frozen=True)

@@ -20,8 +20,9 @@ replica of the request's ranking; a plain stream that breaks ends, the decoding 
 goes on from the committed tokens with a round, and that round moves. What cannot move
 without changing the output -- a seeded request's plain stream, which vLLM draws in
 one call from the client's seed -- moves only before its first token; after it the
-request fails (`PlainStreamLost`). When no replica is left, the last failure is the
-request's (502 / 504, or mid-stream an error event).
+request fails (`PlainStreamLost`, as with one upstream). When no replica is left, the
+last failure is the request's (502 / 504, or mid-stream an error event). The policy's
+estimates follow a moved request to its new replica (`Policy.request`'s `replica`).
 """
 
 from __future__ import annotations
@@ -41,7 +42,6 @@ import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.backend.base import (
-    PlainStreamLost,
     SessionOptions,
     TargetCounters,
     TargetError,
@@ -112,8 +112,8 @@ class Replica:
     target: VLLMTarget
     admitted: bool = True  # False while ejected: it gets no new requests
     failures: int = 0  # consecutive failures (calls and health checks)
-    in_flight: int = 0  # requests pinned to it now
-    requests: int = 0  # requests ever pinned to it (moves included)
+    in_flight: int = 0  # requests on it now: pinned, and relayed ones until their answer ends
+    requests: int = 0  # requests ever sent to it (relayed ones and moves included)
     errors: int = 0  # failed calls and failed health checks
     ejections: int = 0
     readmissions: int = 0
@@ -385,8 +385,8 @@ class ReplicaSession:
     ) -> AsyncIterator[tuple[list[int], list[float] | None]]:
         """The pinned replica's plain generation (`VLLMSession.plain`). A call that fails
         before its first tokens moves to the next replica; one that breaks after them
-        ends (the decoding loop goes on with a round, which moves), except a seeded
-        request's, which cannot go on elsewhere unchanged (`PlainStreamLost`)."""
+        ends (the decoding loop goes on with a round, which moves), and a seeded
+        request's fails the request (`PlainStreamLost`, raised by `VLLMSession.plain`)."""
         while True:
             replica, inner = self._current()
             started = False
@@ -404,13 +404,6 @@ class ReplicaSession:
                     self._move(exc)
                     continue
                 self._move_or_keep(exc)
-                if self.options.sampling.seed is not None:
-                    raise PlainStreamLost(
-                        f"the seeded stream broke after its first tokens on replica "
-                        f"{replica.url} and cannot continue elsewhere unchanged: {exc}",
-                        exc.kind,
-                        exc.status,
-                    ) from exc
                 raise
             self.replicas.succeeded(replica)
             return
@@ -457,30 +450,37 @@ class ReplicaHttp:
         self, method: str, path: str, body: Any = None, *, retry: bool = True
     ) -> Any:
         self.num_calls[path] += 1
-        return await self._on_one_replica(
+        _, answer = await self._on_one_replica(
             self._least_loaded,
             lambda replica: replica.target.http.request_json(method, path, body, retry=retry),
         )
+        return answer
 
     async def open_stream(
         self, method: str, path: str, content: bytes | None, headers: dict[str, str]
     ) -> httpx.Response:
         """`VLLMHttp.open_stream` on the replica the body's prompt routes to; a call
-        that fails before any answer moves to the next replica."""
+        that fails before any answer moves to the next replica. The request counts in
+        its replica's in-flight requests (the load bound) until the response closes."""
         key = _relay_key(content, self.replicas.affinity_tokens)
-        return await self._on_one_replica(
+        replica, response = await self._on_one_replica(
             lambda tried: self.replicas.choose(key, frozenset(tried)),
             lambda replica: replica.target.http.open_stream(method, path, content, headers),
         )
+        replica.in_flight += 1
+        replica.requests += 1
+        response.stream = _HeldStream(response.stream, replica)
+        return response
 
     async def _on_one_replica(
         self,
         pick: Callable[[set[str]], Replica | None],
         call: Callable[[Replica], Awaitable[T]],
-    ) -> T:
+    ) -> tuple[Replica, T]:
         """`call` on the replica `pick` names, then on the next one `pick` names with the
         tried ones left out, while the failure is the replica's (`movable`); the last
-        failure is raised once every replica was tried."""
+        failure is raised once every replica was tried. The replica that answered, and
+        its answer."""
         tried: set[str] = set()
         while True:
             replica = pick(tried)
@@ -496,7 +496,29 @@ class ReplicaHttp:
                     raise
                 continue
             self.replicas.succeeded(replica)
-            return answer
+            return replica, answer
+
+
+class _HeldStream(httpx.AsyncByteStream):
+    """A relayed response's body that holds one in-flight request on `replica` until
+    it is closed (read to its end, or closed early: `httpx.Response.aclose`)."""
+
+    def __init__(self, stream: httpx.AsyncByteStream, replica: Replica) -> None:
+        self._stream = stream
+        self._replica: Replica | None = replica
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        async for chunk in self._stream:
+            yield chunk
+
+    async def aclose(self) -> None:
+        try:
+            await self._stream.aclose()
+        finally:
+            if self._replica is not None:
+                self._replica.in_flight -= 1
+                self._replica = None
+
 
 def _relay_key(content: bytes | None, affinity_tokens: int) -> bytes:
     """A relayed body's routing key: its prompt or messages, as JSON, cut to about

@@ -38,7 +38,13 @@ from typing import Any, AsyncIterator, Callable, Literal, Sequence, get_args
 import httpx
 import numpy as np
 
-from proxy.backend.base import SessionOptions, TargetCounters, TargetError, Verification
+from proxy.backend.base import (
+    PlainStreamLost,
+    SessionOptions,
+    TargetCounters,
+    TargetError,
+    Verification,
+)
 from proxy.model_files import find_model_files
 from proxy.sampling import derive_seed
 from proxy.tree import DraftTree, WalkResult
@@ -204,7 +210,8 @@ class VLLMHttp:
     ) -> AsyncIterator[Any]:
         """POST a streaming request; yield each server-sent event's JSON until [DONE].
         Opening the stream is retried like `request_json`; a failure after the first
-        event is raised as it is (the caller holds what already arrived)."""
+        event is raised as it is (the caller holds what already arrived), and a stream
+        that ends without [DONE] is one: its connection closed before vLLM finished."""
         self.num_calls[path] += 1
         where = f"vLLM POST {self.base_url}{path}"
         attempts = self.retry.max_retries + 1
@@ -242,6 +249,7 @@ class VLLMHttp:
                     yield json.loads(data)
                 except json.JSONDecodeError as exc:
                     raise TargetError(f"{where} sent malformed JSON: {data[:200]!r}") from exc
+            raise TargetError(f"{where}: the stream ended without [DONE]", "network")
         except httpx.HTTPError as exc:
             raise transport_failure(where, exc) from exc
         finally:
@@ -606,10 +614,23 @@ class VLLMSession:
             return
         body["stream"] = True
         events = self.target.http.stream_events("/v1/completions", body, self.headers)
-        async for event in events:
-            tokens, logprobs = self._plain_choice(event)
-            if tokens:
-                yield tokens, logprobs
+        started = False
+        try:
+            async for event in events:
+                tokens, logprobs = self._plain_choice(event)
+                if tokens:
+                    started = True
+                    yield tokens, logprobs
+        except TargetError as exc:
+            if started and self.params.seed is not None:
+                raise PlainStreamLost(
+                    f"the seeded stream from {self.target.http.base_url} broke after its "
+                    f"first tokens; vLLM draws it in one call from the seed, so it cannot "
+                    f"go on in another call unchanged: {exc}",
+                    exc.kind,
+                    exc.status,
+                ) from exc
+            raise
 
     def _plain_choice(self, answer: Any) -> tuple[list[int], list[float] | None]:
         """(token ids, log-probs or None) of a plain answer or stream event."""
