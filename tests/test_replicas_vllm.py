@@ -416,7 +416,14 @@ def test_several_proxies_behind_a_round_robin_router(vllm_server, replica_b, hum
         read_timeout=120, log_level="warning",
     )  # fmt: skip
     rng = random.Random(9)
-    groups = [humaneval[idx][:AFFINITY_TOKENS] for idx in range(4)]
+    # Two prefixes that rank each replica first (the ranking depends on the replicas'
+    # URLs, whose ports change from run to run).
+    names = [server.url for server in backends]
+    heads = [list(head) for head in dict.fromkeys(tuple(p[:AFFINITY_TOKENS]) for p in humaneval)]
+    firsts = [rendezvous_order(affinity_key(head, AFFINITY_TOKENS), names)[0] for head in heads]
+    groups = [head for replica in (0, 1) for head in
+              [h for h, f in zip(heads, firsts, strict=True) if f == replica][:2]]  # fmt: skip
+    assert len(groups) == 4, f"{len(heads)} distinct prefixes, first replicas {firsts}"
     prompts = [head + [rng.randrange(3, 250) for _ in range(12)] for head in groups for _ in range(3)]
     reference = vllm_server.complete_greedy(prompts, MAX_TOKENS)
     with (
@@ -444,5 +451,5 @@ def test_several_proxies_behind_a_round_robin_router(vllm_server, replica_b, hum
         members = served_by[3 * group : 3 * group + 3]
         assert len({replica for _, replica in members}) == 1, f"group {group}: {members}"
     assert {proxy_idx for proxy_idx, _ in served_by} == {0, 1}, served_by
-    assert len({replica for _, replica in served_by}) == 2, "4 prefixes all on one replica"
+    assert [replica for _, replica in served_by] == [0] * 6 + [1] * 6, served_by
     print(f"\n[replicas] two proxies behind round robin: (proxy, replica) per request {served_by}")

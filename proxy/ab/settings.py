@@ -45,6 +45,14 @@ class ABSettings(BaseModel):
         description="share of the time replays may take (their CPU is taken from a local "
         "upstream): after a job of T seconds the worker rests T (1 / share - 1)",
     )
+    shadow_probes: float = Field(
+        0.0,
+        ge=0,
+        le=1,
+        description="at most this share of upstream calls may be probe calls -- a "
+        "replayed round's tree verified for real and timed -- to price the shadow's rounds "
+        "while the DDTree arm has measured none (0: off)",
+    )
     shadow_queue: int = Field(
         64, ge=1, description="answers waiting for a replay; beyond it, dropped (counted)"
     )

@@ -30,11 +30,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
+from proxy.adaptive.estimates import LinearCost
 from proxy.adaptive.policy import target_tokens_along
+from proxy.backend.base import SessionOptions, Target, TargetError
 from proxy.decoding import TreeSettings, resolve_depth
 from proxy.drafter.base import Drafter
 from proxy.round import RoundShape, draft
-from proxy.tree import walk
+from proxy.tree import DraftTree, walk
 
 logger = logging.getLogger("ddtree_proxy.shadow")
 # (prompts per round, tokens computed per round) -> predicted seconds of a round
@@ -49,6 +51,9 @@ class Replay:
     num_nodes: list[int] = field(default_factory=list)  # per round: the tree's nodes
     path_tokens: list[int] = field(default_factory=list)  # per round: its nodes' depths, summed
     draft_calls: int = 0  # calls to a draft server (served drafters)
+    # The first round with a drafted node: its committed prefix and tree (a probe call
+    # verifies it for real to time a round; `Prober`).
+    sample: tuple[list[int], DraftTree] | None = None
 
 
 async def replay(
@@ -74,6 +79,8 @@ async def replay(
         drafted = await draft(session, committed, RoundShape("ddtree", budget, depth))
         tree = drafted.tree
         actual = output_ids[emitted : emitted + max(depth, 0) + 1]
+        if out.sample is None and tree.num_nodes:
+            out.sample = (list(committed), tree)
         result = walk(tree, target_tokens_along(tree, actual))
         num_tokens = min(result.acceptance_length, len(actual))
         committed.extend(actual[:num_tokens])
@@ -120,6 +127,47 @@ class ShadowTotals:
         self.draft_calls += replayed.draft_calls
 
 
+class Prober:
+    """Probe calls: a replayed round's tree (`Replay.sample`) verified for real on the
+    upstream and timed, which fits the upstream's cost of a round (`calls`, the policy's
+    model: seconds from prompts and tokens computed) where the DDTree arm measured none
+    (`needed`). At most `share` of the upstream calls: a probe goes out only while the
+    probes so far stay within `share` of the direct answers offered to the shadow (each
+    answer was at least one call). Each probe takes the next pair's tree in turn, so
+    the fit sees calls of several sizes."""
+
+    def __init__(self, target: Target, share: float, needed: Callable[[], bool]) -> None:
+        self.target = target
+        self.share = share
+        self.needed = needed
+        self.calls = LinearCost(2, time.monotonic)
+        self.num_probes = 0
+        self.num_failed = 0
+        self._turn = 0
+
+    async def maybe(self, samples: Sequence[tuple[list[int], DraftTree]], num_answers: int) -> None:
+        if self.num_probes + self.num_failed + 1 > self.share * num_answers or not self.needed():
+            return
+        committed, tree = samples[self._turn % len(samples)]
+        self._turn += 1
+        session = await self.target.start(committed, SessionOptions())
+        try:
+            start = time.perf_counter()
+            await session.verify(committed, tree)
+            seconds = time.perf_counter() - start
+        except TargetError as exc:
+            self.num_failed += 1
+            logger.info("probe call failed: %s", exc)
+            return
+        finally:
+            await session.aclose()
+        self.num_probes += 1
+        num_prompts = tree.num_nodes + 1
+        # The context is the finished answer's prefix, in the upstream's prefix cache:
+        # each prompt computes its root and its path, as after a plain stretch.
+        self.calls.observe(num_prompts, num_prompts + int(tree.depths.sum()), seconds)
+
+
 class Shadow:
     """Replays every queued answer through each drafter x budget, one job at a time."""
 
@@ -131,8 +179,10 @@ class Shadow:
         max_queue: int,
         max_model_len: int,
         busy_share: float = 1.0,
+        prober: Prober | None = None,
     ):
         self.drafters = drafters
+        self.prober = prober
         self.budgets = tuple(budgets)
         self.max_model_len = max_model_len
         self.busy_share = busy_share  # of wall time the worker may spend replaying
@@ -187,6 +237,7 @@ class Shadow:
             await asyncio.sleep((time.perf_counter() - start) * (1 / self.busy_share - 1))
 
     async def replay_job(self, job: ShadowJob) -> None:
+        samples = []
         for name, drafter in self.drafters.items():
             for budget in self.budgets:
                 replayed = await replay(
@@ -195,6 +246,10 @@ class Shadow:
                     max_model_len=self.max_model_len,
                 )  # fmt: skip
                 self.totals[name, budget].add(replayed)
+                if replayed.sample is not None:
+                    samples.append(replayed.sample)
+        if self.prober is not None and samples:
+            await self.prober.maybe(samples, self.num_offered)
 
     def table(self, round_seconds: RoundCost | None = None) -> list[dict]:
         """One row per drafter x budget; with `round_seconds` (the predicted seconds of

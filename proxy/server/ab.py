@@ -30,7 +30,7 @@ from fastapi import Request, Response
 
 from proxy.ab import report
 from proxy.ab.measure import MAX_RECORDS, ABMetrics, ArmRecords, RequestRecord, RequestTiming
-from proxy.ab.shadow import Shadow, ShadowJob
+from proxy.ab.shadow import Prober, Shadow, ShadowJob
 from proxy.ab.split import ARMS, Arm, Split
 from proxy.adaptive.policy import Policy
 from proxy.drafter.base import Drafter
@@ -99,8 +99,12 @@ class AB:
             drafters[runtime.drafter.name] = runtime.drafter
         else:
             raise ValueError("--shadow needs a drafter: --shadow-drafters, or serve with one")
+        prober = None
+        if settings.shadow_probes > 0:
+            prober = Prober(runtime.target, settings.shadow_probes,
+                            needed=lambda: _fitted(self._policy)[0] is None)  # fmt: skip
         self.shadow = Shadow(drafters, settings.budgets, self._tree_depth, settings.shadow_queue,
-                             runtime.max_model_len, settings.shadow_busy)  # fmt: skip
+                             runtime.max_model_len, settings.shadow_busy, prober)  # fmt: skip
         self.shadow.start()
 
     async def stop(self) -> None:
@@ -271,6 +275,9 @@ class AB:
             counts = {"offered": shadow.num_offered, "replayed": shadow.num_replayed,
                       "dropped": shadow.num_dropped, "failed": shadow.num_failed,
                       "queued": shadow.queue.qsize()}  # fmt: skip
+            if shadow.prober is not None:
+                counts |= {"probes": shadow.prober.num_probes,
+                           "failed_probes": shadow.prober.num_failed}  # fmt: skip
         guardrail = {"enabled": settings.ab_guardrail, "tripped": self.guardrail_tripped}
 
         def build() -> dict[str, Any]:
@@ -291,17 +298,26 @@ class AB:
         and its ratio to the direct arm's decode rate (1 / median inter-token latency)."""
         assert self.shadow is not None
         policy, replica = _fitted(self._policy)
+        prober = self.shadow.prober
         # A decode rate needs a gap: answers whose tokens came at once have none.
         itls = [r.itl_s for r in direct if r.itl_s is not None and r.itl_s > 0]
-        if policy is None or not itls:
+        calls, overhead = None, 0.0
+        if policy is not None:
+            calls, overhead = policy.calls, policy.overhead.ratio() or 0.0
+            source = "ddtree arm's rounds" + ("" if replica is None else f" (replica {replica})")
+        elif prober is not None and prober.calls.num_rows:
+            calls, source = prober.calls, f"probe calls ({prober.num_probes})"
+        if calls is None or not itls:
             rows = self.shadow.table()
-            source = "none: no DDTree rounds measured" if itls else "none: no direct answers"
+            if not itls:
+                source = "none: no direct answers"
+            elif calls is None:
+                source = "none: no DDTree rounds measured" + (", no probe yet" if prober else "")
             return [row | {"predicted_ratio": None, "cost_source": source} for row in rows]
-        source = "ddtree arm's rounds" + ("" if replica is None else f" (replica {replica})")
-        overhead = policy.overhead.ratio() or 0.0
+        fit = calls
 
         def round_seconds(num_prompts: float, computed_tokens: float) -> float:
-            return float(policy.calls.seconds(num_prompts, computed_tokens)) + overhead
+            return float(fit.seconds(num_prompts, computed_tokens)) + overhead
 
         direct_itl = float(np.median(itls))
         rows = []
@@ -355,11 +371,6 @@ def _fitted(policy: Policy | None) -> tuple[Policy | None, str | None]:
     candidates = [(None, policy), *policy.replicas.items()]
     replica, fitted = max(candidates, key=lambda item: item[1].calls.num_rows)
     return (fitted, replica) if fitted.calls.num_rows else (None, None)
-
-
-def _log_guardrail_failure(task: asyncio.Task) -> None:
-    if not task.cancelled() and task.exception() is not None:
-        logger.error("A/B guardrail check failed", exc_info=task.exception())
 
 
 class _Hooks:
@@ -458,9 +469,10 @@ class _StreamIds:
 
 class _TokenCounter:
     """Counts a direct answer's tokens as its bytes go out: a JSON answer's from its
-    `usage` at the end; a stream's one per event that carries output (vLLM sends one
-    event per token when it does not speculate itself), or from the stream's `usage`
-    where the client asked for it."""
+    `usage` at the end; a stream's per event that carries output (its `token_ids` where
+    they were asked for, else one: vLLM sends one event per token unless it speculates
+    itself or its client falls behind), set to the stream's `usage` at the end where the
+    client asked for it."""
 
     def __init__(self, timing: RequestTiming, stream: bool):
         self.timing = timing
@@ -473,6 +485,7 @@ class _TokenCounter:
             return self._json_end()
         *events, self.buffer = self.buffer.split(b"\n\n")
         count = 0
+        usage_total = None
         for event in events:
             if not event.startswith(b"data: ") or event == b"data: [DONE]":
                 continue
@@ -481,11 +494,21 @@ class _TokenCounter:
             except json.JSONDecodeError:
                 continue
             for choice in data.get("choices") or ():
-                if choice.get("text") or (choice.get("delta") or {}).get("content"):
+                delta = choice.get("delta") or {}
+                output = (choice.get("text") or delta.get("content")
+                          or delta.get("reasoning_content") or delta.get("tool_calls"))  # fmt: skip
+                if output or choice.get("token_ids"):
                     count += len(choice.get("token_ids") or ()) or 1
                 if choice.get("finish_reason"):
                     self.timing.finish_reason = choice["finish_reason"]
+            usage = data.get("usage")
+            if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
+                usage_total = usage["completion_tokens"]
         self.timing.tokens(count)
+        if usage_total is not None:
+            # vLLM merges tokens into one event when its client falls behind; the usage
+            # the client asked for says how many there were.
+            self.timing.num_tokens = max(self.timing.num_tokens, usage_total)
 
     def _json_end(self) -> None:
         try:

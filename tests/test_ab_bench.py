@@ -1,0 +1,44 @@
+"""benchmarks.ab's figures: the interleaved ratio, the report and the shadow compared
+with it, the Markdown that says whether each lies within the issue's bounds."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.ab import SERVING_BUDGET, SHADOW_DRAFTER, compare, markdown
+
+
+def _answer(ratio: list[float] | None, predicted: float | None) -> dict:
+    arms = {"ddtree": {"requests": 61}, "direct": {"requests": 59}}
+    shadow = [{"drafter": SHADOW_DRAFTER, "budget": SERVING_BUDGET, "requests": 59,
+               "rounds": 700, "tau": 3.1, "predicted_ratio": predicted,
+               "cost_source": "ddtree arm's rounds"},
+              {"drafter": SHADOW_DRAFTER, "budget": 4, "requests": 59, "rounds": 900,
+               "tau": 2.5, "predicted_ratio": None, "cost_source": "-"}]  # fmt: skip
+    return {"windows": {"since_start": {"arms": arms, "tokens_per_s_ratio": ratio}},
+            "shadow": shadow, "verdict": "DDTree ..."}  # fmt: skip
+
+
+def test_the_report_is_compared_with_the_interleaved_ratio_of_medians():
+    per_request = {"direct": [10.0, 10.0, 20.0, 20.0, 30.0], "ddtree": [15.0, 30.0, 30.0, 45.0, 60.0]}
+    cell = compare(per_request, [1.4, 1.6, 1.5], _answer([1.65, 1.4, 1.9], 1.2))
+    assert cell["interleaved"]["ratio_of_medians"] == pytest.approx(1.5)
+    assert cell["interleaved"]["per_rep_ratio"] == pytest.approx(1.5)
+    assert cell["report_vs_interleaved"] == pytest.approx(1.1)
+    assert cell["shadow_vs_report"] == pytest.approx(1.2 / 1.65)
+    assert cell["split"]["requests"] == {"ddtree": 61, "direct": 59}
+    cost = {"clients": {"1": {"plain_tokens_per_s": [100.0, 90.0], "shadow_tokens_per_s":
+                              [99.0, 88.0], "shadow_vs_plain": 0.98,
+                              "shadow_vs_plain_interval": (0.97, 0.99), "sampled": 50,
+                              "replayed": 48, "dropped": 2}},
+            "64_clients": {"requests_per_round": 128, "rss_mb": [300.0, 310.0],
+                           "dropped_total": [2, 90]}}  # fmt: skip
+    table = markdown({"shadow_cost": cost, "report_vs_measured": [{"upstream": "gpu-sim", **cell}]})
+    assert "| 1 | 95.0 | 93.5 | 0.98 [0.97, 0.99] | 48 / 50 (96%) | 2 |" in table
+    assert "1.10 (within 10%)" in table and "0.73 (outside 15%)" in table
+    assert "300 -> 310 MB" in table
+
+
+def test_no_ratio_in_the_report_compares_nothing():
+    cell = compare({"direct": [1.0], "ddtree": [1.0]}, [1.0, 1.0], _answer(None, 1.3))
+    assert cell["report_vs_interleaved"] is None and cell["shadow_vs_report"] is None
