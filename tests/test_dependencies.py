@@ -19,6 +19,11 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = "proxy"
 PYPROJECT = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]
 DEV_EXTRAS = {"dev"}  # test and tooling dependencies: proxy/ must not need them
+# Base dependencies the server uses without importing them when its modules load.
+LOADED_WHEN_SERVING = {
+    "uvloop",  # imported as serving starts (proxy.server.app._run_loop)
+    "httptools",  # uvicorn's HTTP parser: uvicorn picks it where it is installed
+}
 
 
 def _canonical(name: str) -> str:
@@ -154,4 +159,22 @@ def test_base_install_declares_what_the_server_loads():
     ]
     loaded = set().union(*_distributions(_third_party(names), BASE).values())
     assert loaded - BASE == set(), "the server imports these at load time; declare them in the base"
-    assert BASE - loaded == set(), "declared in the base but not imported by the server path"
+    assert BASE - loaded == LOADED_WHEN_SERVING, "declared in the base but not imported by the server path"
+
+
+def test_the_server_runs_on_uvloop_with_httptools():
+    """What LOADED_WHEN_SERVING says: serving starts on uvloop's event loop, and uvicorn
+    parses HTTP with httptools."""
+    import asyncio
+
+    import uvicorn
+
+    from proxy.server.app import _run_loop
+
+    async def loop_module() -> str:
+        return type(asyncio.get_running_loop()).__module__
+
+    assert _run_loop(loop_module()).startswith("uvloop")
+    config = uvicorn.Config(lambda scope, receive, send: None)
+    config.load()
+    assert config.http_protocol_class.__module__.endswith("httptools_impl")
