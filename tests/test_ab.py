@@ -675,6 +675,45 @@ def _guarded_ab(clock: Clock) -> AB:
     return AB(settings, random.Random(0), clock)
 
 
+def test_forced_arms_are_served_but_not_compared_while_a_split_runs():
+    """During a split a request that forces an arm gets it, on /metrics too, but stays
+    out of the report's arms and the guardrail (counted as forced); without a split
+    every request counts."""
+    clock = Clock()
+    ddtree_key = next(k for k in map(str, range(100)) if key_point(k) < 0.5)
+    registry = CollectorRegistry()
+
+    async def scenario():
+        ab = _guarded_ab(clock)
+        await ab.start(_RUNTIME, registry)
+
+        def arm(headers: dict, body: dict | None = None, opted_out: bool = False):
+            return ab.arm(SimpleNamespace(headers=headers), body or {}, opted_out)
+
+        arms = [arm({}, opted_out=True), arm({"x-ddtree": "on"}),
+                arm({}, {"ddtree": {"budget": 4}}), arm({"x-ddtree-ab-key": ddtree_key})]  # fmt: skip
+        for name, compared in arms:
+            timing = RequestTiming(name, clock, compared=compared)
+            clock.now += 0.1
+            timing.tokens(10)
+            ab.finish(timing, True)
+        data = await ab.report()
+        ab.set_split(None)
+        unsplit = arm({}, opted_out=True)
+        await ab.stop()
+        return arms, data, unsplit
+
+    arms, data, unsplit = run(scenario())
+    assert arms == [("direct", False), ("ddtree", False), ("ddtree", False), ("ddtree", True)]
+    counts = {a: data["windows"]["since_start"]["arms"][a]["requests"] for a in ("ddtree", "direct")}
+    assert counts == {"ddtree": 1, "direct": 0} and data["forced_requests"] == 3
+    assert "not compared: 3 requests that forced an arm" in report.format_report(data)
+    page = Metrics(generate_latest(registry).decode())
+    assert page.total("ddtree:request_success_total", arm="direct") == 1
+    assert page.total("ddtree:request_success_total", arm="ddtree") == 3
+    assert unsplit == ("direct", True)
+
+
 def test_a_new_split_clears_the_trip_and_is_judged_on_its_own_requests():
     """A change of split starts a new block: the requests before it are not judged. After
     a trip, POST /ddtree/ab re-enables the split; arms as fast as each other do not trip

@@ -286,12 +286,22 @@ def test_admin_route_and_access(vllm_server, keyed_url, capsys):
 
 
 def test_report_metrics_and_cli(vllm_server, ab_url, capsys, tmp_path):
+    keys = {arm: _key_in(arm) for arm in ("ddtree", "direct")}
     for n in range(24):  # enough of each arm for a ratio
+        arm = "direct" if n % 2 else "ddtree"
         body = _completion(vllm_server.model, PROMPTS[n % len(PROMPTS)], stream=n % 4 < 2)
         response = httpx.post(ab_url + "/v1/completions", json=body, timeout=60,
-                              headers={"x-ddtree": "off" if n % 2 else "on"})  # fmt: skip
-        assert response.status_code == 200
+                              headers={"x-ddtree-ab-key": keys[arm]})  # fmt: skip
+        assert response.status_code == 200 and response.headers["x-ddtree-arm"] == arm
     data = _report(ab_url)
+    # A request that forces its arm is served but not compared (a JSON answer: timed
+    # when its body goes out, before the client has it).
+    forced = httpx.post(ab_url + "/v1/completions", json=_completion(vllm_server.model, "x"),
+                        headers=OFF | {"x-ddtree-ab-key": keys["ddtree"]}, timeout=60)  # fmt: skip
+    assert forced.headers["x-ddtree-arm"] == "direct"
+    after = _report(ab_url)
+    assert after["forced_requests"] == data["forced_requests"] + 1
+    assert after["windows"]["since_start"]["arms"] == data["windows"]["since_start"]["arms"]
     since = data["windows"]["since_start"]
     assert since["arms"]["ddtree"]["requests"] >= 12 and since["arms"]["direct"]["requests"] >= 12
     value, low, high = since["tokens_per_s_ratio"]
@@ -299,9 +309,13 @@ def test_report_metrics_and_cli(vllm_server, ab_url, capsys, tmp_path):
     assert data["verdict"].startswith(f"DDTree {value:.2f}x")
     page = scrape(ab_url)  # prometheus_client's parser
     for arm in ("ddtree", "direct"):
-        served = page.total("ddtree:request_success_total", arm=arm)
-        assert served == page.total("ddtree:e2e_request_latency_seconds_count", arm=arm)
-        assert served == since["arms"][arm]["requests"]
+        assert page.total("ddtree:request_success_total", arm=arm) == page.total(
+            "ddtree:e2e_request_latency_seconds_count", arm=arm
+        )
+    served = page.total("ddtree:request_success_total")
+    # /metrics counts every answer, the report the compared ones.
+    compared = sum(since["arms"][arm]["requests"] for arm in ("ddtree", "direct"))
+    assert served == compared + after["forced_requests"]
     assert page.total("ddtree:spec_decode_num_drafts_total", arm="ddtree") > 0
     assert page.total("ddtree:spec_decode_num_drafts_total", arm="direct") == 0
     assert page["ddtree_ab_split"] == 0.5

@@ -91,8 +91,11 @@ class RequestRecord:
 class RequestTiming:
     """One request's clock: `tokens` as they leave, `finish` once at the end."""
 
-    def __init__(self, arm: Arm, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self, arm: Arm, clock: Callable[[], float] = time.monotonic, *, compared: bool = True
+    ):
         self.arm: Arm = arm
+        self.compared = compared  # in the report's comparison (see `AB.arm`)
         self.clock = clock
         self.start = clock()
         self.first: float | None = None

@@ -214,6 +214,9 @@ def format_report(report: dict[str, Any]) -> str:
                 f"| {row.get('cost_source', '-')} |"
             )
         lines.append(f"dropped (queue full): {report['shadow_dropped']}")
+    if report.get("forced_requests"):
+        lines.append(f"not compared: {report['forced_requests']} requests that forced an arm "
+                     "(x-ddtree, a ddtree field) while the split ran")  # fmt: skip
     lines += ["", report["verdict"]]
     return "\n".join(lines)
 

@@ -75,6 +75,7 @@ class AB:
         self._proxy_mode = False
         self._policy: Policy | None = None
         self.guardrail_tripped = False
+        self.num_forced = 0  # finished requests that forced an arm during a split
         # The guardrail's block being filled (tokens/s per request) and the blocks judged
         # since the split last changed.
         self._block: dict[Arm, deque[float]] = {arm: deque(maxlen=MAX_RECORDS) for arm in ARMS}
@@ -119,17 +120,23 @@ class AB:
 
     # ----- which arm --------------------------------------------------------------
 
-    def arm(self, request: Request, body: dict[str, Any], opted_out: bool) -> Arm:
-        """The arm of an eligible request (the header and field are validated already)."""
-        if opted_out:
-            return "direct"
+    def arm(self, request: Request, body: dict[str, Any], opted_out: bool) -> tuple[Arm, bool]:
+        """The arm of an eligible request (the header and field are validated already),
+        and whether the report compares it: while a split runs, only the requests it
+        assigned (a client that forces an arm chooses which requests go where, and its
+        choice need not be blind to their speed); without a split, every request."""
+        forced: Arm | None = None
         header = request.headers.get("x-ddtree", "").strip().lower()
-        if header in ("on", "true", "1") or body.get("ddtree") is not None:
-            return "ddtree"
+        if opted_out:
+            forced = "direct"
+        elif header in ("on", "true", "1") or body.get("ddtree") is not None:
+            forced = "ddtree"
         if self.split is None:
-            return "ddtree"
+            return forced or "ddtree", True
+        if forced is not None:
+            return forced, False
         key = request.headers.get(KEY_HEADER) or body.get("user")
-        return self.split.assign(key if isinstance(key, str) else None)
+        return self.split.assign(key if isinstance(key, str) else None), True
 
     def set_split(self, share: float | None) -> None:
         if share is None:
@@ -167,9 +174,13 @@ class AB:
         record = timing.record() if ok else None
         assert self.metrics is not None
         self.metrics.observe(timing, record)
-        if record is not None:
-            self.records.add(record)
-            self._guard(record)
+        if record is None:
+            return
+        if not timing.compared:
+            self.num_forced += 1
+            return
+        self.records.add(record)
+        self._guard(record)
 
     def watch(self, response: Response, timing: RequestTiming,
               on_chunk: Callable[[bytes], None] | None = None) -> Response:  # fmt: skip
@@ -279,6 +290,7 @@ class AB:
                 counts |= {"probes": shadow.prober.num_probes,
                            "failed_probes": shadow.prober.num_failed}  # fmt: skip
         guardrail = {"enabled": settings.ab_guardrail, "tripped": self.guardrail_tripped}
+        forced = self.num_forced
 
         def build() -> dict[str, Any]:
             out = report.build(
@@ -286,6 +298,7 @@ class AB:
                 split=split, shadow=table, shadow_dropped=counts["dropped"] if counts else 0,
             )  # fmt: skip
             out["guardrail"] = guardrail
+            out["forced_requests"] = forced
             if counts is not None:
                 out["shadow_counts"] = counts
             return out

@@ -110,6 +110,7 @@ class Handlers:
             raise RequestError("request body must be a JSON object")
         runtime = self.runtime
         disabled = opted_out(request, body)
+        compared = True  # engine mode: no split
         request_model = REQUEST_MODELS[endpoint]
         reason = request_model.passthrough_reason(body)
         model = body.get("model")
@@ -125,7 +126,8 @@ class Handlers:
                 )
                 response.headers[ARM_HEADER] = "passthrough"
                 return response
-            if self.ab.arm(request, body, disabled) == "direct":
+            arm, compared = self.ab.arm(request, body, disabled)
+            if arm == "direct":
                 label = "opt_out" if disabled else "ab_split"
 
                 async def relay_body(sent: dict[str, Any]) -> Response:
@@ -135,9 +137,10 @@ class Handlers:
                     )
 
                 return await self.ab.direct(
-                    relay_body, body, endpoint, RequestTiming("direct"), runtime
+                    relay_body, body, endpoint, RequestTiming("direct", compared=compared),
+                    runtime,
                 )
-        timing = RequestTiming("ddtree")
+        timing = RequestTiming("ddtree", compared=compared)
         parsed = request_model.parse(body, refuse_unknown=runtime.mode == "engine")
         if parsed.model is not None and parsed.model != runtime.model_name:
             raise RequestError(
