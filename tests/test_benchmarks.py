@@ -217,3 +217,27 @@ def test_engine_steps_names_a_server_without_the_metric():
 
     with pytest.raises(RuntimeError, match="has no vllm:iteration_tokens_total_count"):
         engine_steps("http://upstream.test")
+
+
+@pytest.mark.vllm
+def test_vllms_engine_core_runs_at_the_lowest_priority(vllm_server):
+    """`scripts/vllm_cpu.sh serve` renices vLLM's engine core, which spin-waits for its
+    worker (see lower_engine_core_priority there), to 19; the API server and the worker,
+    which do the work, keep the priority they started with."""
+    if vllm_server.pid is None:
+        pytest.skip("DDTREE_TEST_VLLM: a server this run did not start")
+    import os
+
+    def tasks_nice(pattern: str) -> set[int]:
+        pids = subprocess.run(["pgrep", "-g", str(vllm_server.pid), "-f", pattern],
+                              capture_output=True, text=True).stdout.split()  # fmt: skip
+        assert pids, f"no process matching {pattern} in group {vllm_server.pid}"
+        return {os.getpriority(os.PRIO_PROCESS, int(task))
+                for pid in pids for task in os.listdir(f"/proc/{pid}/task")}  # fmt: skip
+
+    deadline = time.monotonic() + 30  # the renice follows the engine core's start
+    while tasks_nice("^VLLM::EngineCore") != {19} and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert tasks_nice("^VLLM::EngineCore") == {19}
+    assert tasks_nice("^VLLM::Worker") == {0}
+    assert tasks_nice("vllm.entrypoints.openai.api_server") == {0}
