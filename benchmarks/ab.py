@@ -62,6 +62,10 @@ SERVING_BUDGET = 16  # the proxy's default --budget, which part 2's shadow repla
 REPORT_BOUND = 0.10
 SHADOW_BOUND = 0.15
 DRAIN_TIMEOUT_S = 120.0  # for the shadow queue to empty after a run
+# Rounds of 128 requests at 64 clients. The first rounds grow the heap to the peak of
+# 64 open requests and the report's records (capped, MAX_RECORDS) grow after it, by
+# less each round; 6 rounds did not reach the plateau (2026-12-04), 12 did.
+ROUNDS_64 = 12
 
 
 async def timed_streams(
@@ -133,6 +137,32 @@ def shadow_row(answer: dict, drafter: str, budget: int) -> dict:
     return row
 
 
+def arm_rounds(metrics_text: str) -> dict:
+    """What the split proxy's DDTree arm verified (its spec-decode counters) and the
+    policy's cost estimates, from its /metrics page: the shadow prediction's inputs, to
+    see where a prediction and the arm part."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    counters: dict[str, float] = {}
+    estimates: dict[str, float] = {}
+    for family in text_string_to_metric_families(metrics_text):
+        for sample in family.samples:
+            if family.name == "ddtree_policy_estimate":
+                estimates[sample.labels["name"]] = sample.value
+            elif (family.name.startswith("ddtree:spec_decode_num_")
+                  and sample.name.endswith("_total") and sample.labels.get("arm") == "ddtree"
+                  and "position" not in sample.labels):  # fmt: skip
+                counters[family.name.removeprefix("ddtree:spec_decode_num_")] = sample.value
+    drafts = counters.get("drafts", 0)
+    return {
+        "rounds": drafts,
+        "mean_nodes": counters.get("draft_tokens", 0) / drafts if drafts else None,
+        # accepted + the bonus token, as a shadow row's tau counts
+        "tau": 1 + counters.get("accepted_tokens", 0) / drafts if drafts else None,
+        "policy_estimates": estimates,
+    }
+
+
 def drained(url: str) -> dict:
     """The report once every answer offered to the shadow is replayed, dropped or failed
     (or DRAIN_TIMEOUT_S has passed)."""
@@ -189,7 +219,7 @@ def shadow_cost(vllm: upstream.Upstream, prompts: list[str], args, logs: Path) -
         mix = [prompts[idx % len(prompts)] for idx in range(128)]
         memory = [rss_mb(shadowed.pid)]
         drops = [report(shadowed.url)["shadow_counts"]["dropped"]]
-        for _ in range(3):
+        for _ in range(ROUNDS_64):
             run(shadowed.url, vllm.model, mix, args, 64, OFF)
             memory.append(rss_mb(shadowed.pid))
             drops.append(report(shadowed.url)["shadow_counts"]["dropped"])
@@ -223,7 +253,10 @@ def report_vs_measured(served, prompts: list[str], args, logs: Path) -> dict:
         for _ in range(args.reps):
             run(split.url, served.model, prompts, args, clients)
         answer = drained(split.url)
-    return {"upstream": served.name, **compare(per_request, ratios, answer)}
+        page = httpx.get(f"{split.url}/metrics", timeout=60)
+        page.raise_for_status()
+        arm = arm_rounds(page.text)
+    return {"upstream": served.name, **compare(per_request, ratios, answer), "ddtree_arm": arm}
 
 
 def compare(per_request: dict[str, list[float]], ratios: list[float], answer: dict) -> dict:
@@ -245,8 +278,8 @@ def compare(per_request: dict[str, list[float]], ratios: list[float], answer: di
         "split": {
             "requests": {arm: since_start["arms"][arm]["requests"] for arm in ("ddtree", "direct")},
             "report_ratio": measured,
-            "shadow": {key: row.get(key) for key in ("requests", "rounds", "tau",
-                                                     "predicted_ratio", "cost_source")},
+            "shadow": {key: row.get(key) for key in ("requests", "rounds", "tau", "predicted_ratio",
+                                                     "predicted_nodes", "cost_source")},
             "verdict": answer["verdict"],
         },
         "report_vs_interleaved": (
@@ -259,6 +292,10 @@ def compare(per_request: dict[str, list[float]], ratios: list[float], answer: di
 def _interval(row: dict, name: str) -> str:
     low, high = row[f"{name}_interval"]
     return f"{row[name]:.2f} [{low:.2f}, {high:.2f}]"
+
+
+def _num(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
 
 
 def _within(value: float | None, bound: float) -> str:
@@ -282,14 +319,16 @@ def markdown(result: dict) -> str:
             f"| {_interval(cell, 'shadow_vs_plain')} | {replayed} | {cell.get('dropped', '-')} |"
         )
     big = cost["64_clients"]
-    lines += ["", f"64 clients, 3 rounds of {big['requests_per_round']} requests: resident "
+    lines += ["", f"64 clients, {len(big['rss_mb']) - 1} rounds of {big['requests_per_round']} "
+              "requests: resident "
               f"memory {' -> '.join(f'{mb:.0f}' for mb in big['rss_mb'])} MB, shadow work "
               f"dropped (total) {' -> '.join(f'{d:.0f}' for d in big['dropped_total'])}.", "",
               "## 2. The report against interleaved direct-vs-DDTree runs", "",
               "| upstream | interleaved DDTree/direct (ratio of medians) | per-rep [95%] "
               "| report DDTree/direct [95%] | report / interleaved | shadow predicted "
-              "| predicted / report | cost source | split requests (ddtree, direct) |",
-              "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+              "| predicted / report | cost source | split requests (ddtree, direct) "
+              "| shadow tau (budget) / best nodes | arm tau / mean nodes |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for cell in result["report_vs_measured"]:
         inter, split = cell["interleaved"], cell["split"]
         measured = split["report_ratio"]
@@ -302,7 +341,9 @@ def markdown(result: dict) -> str:
             f"| {'-' if predicted is None else f'{predicted:.2f}'} "
             f"| {_within(cell['shadow_vs_report'], SHADOW_BOUND)} "
             f"| {split['shadow']['cost_source'] or '-'} "
-            f"| {split['requests']['ddtree']}, {split['requests']['direct']} |"
+            f"| {split['requests']['ddtree']}, {split['requests']['direct']} "
+            f"| {_num(split['shadow']['tau'])} / {split['shadow']['predicted_nodes'] or '-'} "
+            f"| {_num(cell['ddtree_arm']['tau'])} / {_num(cell['ddtree_arm']['mean_nodes'])} |"
         )
     return "\n".join(lines) + "\n"
 

@@ -18,6 +18,9 @@ import pytest
 from background_server import BackgroundServer
 from conftest import run
 from fastapi.responses import StreamingResponse
+from hypothesis import given
+from hypothesis import settings as hypothesis_settings
+from hypothesis import strategies as st
 from metrics import Metrics
 from prometheus_client import CollectorRegistry, generate_latest
 from scipy.stats import binom, mannwhitneyu
@@ -25,9 +28,9 @@ from scipy.stats import binom, mannwhitneyu
 from proxy.ab import report
 from proxy.ab.measure import ABMetrics, RequestRecord, RequestTiming, speculative_decoding
 from proxy.ab.settings import ABSettings, split_drafter_specs
-from proxy.ab.shadow import Shadow, ShadowJob, replay
+from proxy.ab.shadow import Shadow, ShadowJob, committed_by_size, replay
 from proxy.ab.split import Split, key_point
-from proxy.adaptive.policy import Policy
+from proxy.adaptive.policy import Policy, target_tokens_along
 from proxy.backend.base import TargetError
 from proxy.decoding import (
     GenerationRequest,
@@ -44,6 +47,7 @@ from proxy.sampling import SamplingParams
 from proxy.server.ab import AB, GUARDRAIL_ALPHA, GUARDRAIL_BLOCK, _TokenCounter
 from proxy.server.app import create_app
 from proxy.server.settings import ServerSettings
+from proxy.tree import DraftDistribution, build_tree, walk
 
 # --- the split ----------------------------------------------------------------------
 
@@ -211,12 +215,13 @@ def test_the_verdict_names_the_best_predicted_shadow_pair():
     rng = np.random.default_rng(6)
     arms = {arm: _records(arm, rng.lognormal(4, 0.2, 30)) for arm in ("ddtree", "direct")}
     rows = [{"drafter": "ngram", "budget": b, "requests": 9, "rounds": 30, "tau": tau,
-             "predicted_ratio": ratio, "cost_source": "ddtree arm's rounds"}
-            for b, tau, ratio in ((4, 2.0, 1.1), (16, 2.6, 0.9))]  # fmt: skip
+             "predicted_ratio": ratio, "predicted_nodes": nodes, "cost_source": "ddtree arm's rounds"}
+            for b, tau, ratio, nodes in ((4, 2.0, 1.1, 3), (16, 2.6, 0.9, 16))]  # fmt: skip
     built = report.build(arms, arms, uptime_s=1, window_s=1, split=0.5, shadow=rows, shadow_dropped=3)
-    assert built["verdict"].endswith("shadow: ngram B=4 predicted best (1.10x direct's decode rate, tau 2.00)")
-    assert "| ngram | 16 | 9 | 30 | 2.600 | 0.9x | ddtree arm's rounds |" in report.format_report(built)
-    unpredicted = [row | {"predicted_ratio": None} for row in rows]
+    assert built["verdict"].endswith("shadow: ngram B=4 predicted best (1.10x direct's decode rate "
+                                     "with trees of 3 nodes; tau 2.00 at the budget)")  # fmt: skip
+    assert "| ngram | 16 | 9 | 30 | 2.600 | 0.9x | 16 | ddtree arm's rounds |" in report.format_report(built)
+    unpredicted = [row | {"predicted_ratio": None, "predicted_nodes": None} for row in rows]
     built = report.build(arms, arms, uptime_s=1, window_s=1, split=0.5, shadow=unpredicted, shadow_dropped=0)
     assert built["verdict"].endswith("shadow: ngram B=16 accepts most (tau 2.60)")
 
@@ -391,12 +396,43 @@ def test_shadow_queue_drops_beyond_its_bound_and_counts():
     (row,) = shadow.table()
     assert (row["requests"], row["rounds"], row["tau"]) == (2, 2, 4.0)
     assert row["predicted_tokens_per_s"] is None  # no verification cost known
-    # With a cost: tau over the predicted seconds of a round of this tree's size.
+    # With a cost: tau over the predicted seconds of a round, at the best tree size.
     calls = []
     (row,) = shadow.table(lambda num_prompts, computed: calls.append((num_prompts, computed)) or 0.5)
-    assert row["predicted_tokens_per_s"] == 8.0
-    ((num_prompts, computed),) = calls
+    assert row["predicted_tokens_per_s"] == 8.0 and row["predicted_nodes"] in (3, 4)
+    assert len(calls) == 5  # one per tree size 0 .. budget
+    num_prompts, computed = calls[-1]
     assert 4 >= num_prompts - 1 >= 3 and computed >= num_prompts * 4  # 3+ nodes, each past tau
+    # A cost per computed token makes a smaller tree the best: without nodes a round
+    # commits 1 token and computes 1 (the last round's bonus); the whole tree commits 4
+    # and computes 4 per prompt plus its paths.
+    (row,) = shadow.table(lambda num_prompts, computed: 0.01 + 0.1 * computed)
+    assert (row["predicted_nodes"], row["predicted_tokens_per_s"]) == (0, round(1 / 0.11, 2))
+
+
+@hypothesis_settings(max_examples=100, deadline=None)
+@given(seed=st.integers(0, 2**16), budget=st.integers(1, 40), along=st.integers(0, 40))
+def test_committed_by_size_is_the_walk_of_each_trees_prefix(seed, budget, along):
+    """The per-size tokens that price smaller trees are, at every n, what walking the
+    tree of the first n nodes along the same tokens commits."""
+    rng = np.random.default_rng(seed)
+    depth, top_k = 5, 3
+    token_ids = np.stack([rng.choice(6, top_k, replace=False) for _ in range(depth)])
+    log_probs = np.sort(np.log(rng.dirichlet(np.ones(top_k), size=depth)), axis=1)[:, ::-1]
+    tree = build_tree(0, DraftDistribution(token_ids, np.ascontiguousarray(log_probs)), budget, depth)
+    # The real tokens: a path of the tree chosen by `along`, then one token anywhere.
+    actual, node = [], 0
+    while tree.children[node] and len(actual) < depth:
+        kids = sorted(tree.children[node].items())
+        token, node = kids[along % len(kids)]
+        along //= 2
+        actual.append(token)
+    actual = (actual + [int(rng.integers(6))])[: 1 + int(rng.integers(1, depth + 1))]
+    by_size = committed_by_size(tree, actual)
+    for size in range(tree.num_nodes + 1):
+        cut = tree.prefix(size)
+        walked = walk(cut, target_tokens_along(cut, actual)).acceptance_length
+        assert by_size[size] == min(walked, len(actual)), size
 
 
 # --- the HTTP side in engine mode (no vLLM: the DDTree arm alone) --------------------

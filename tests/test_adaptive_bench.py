@@ -113,9 +113,12 @@ def test_markdown_and_readme_table():
     assert "| vllm | code | 4 | stream | - | new | decision=plain,reason=slow: 3 |" in table
     readme = report.readme_table(rows)
     assert readme.splitlines()[2] == (
-        "| vllm | code | 4 | stream | 100 | 0.95 | 0.55 | 0.90 | **1.20 [1.20, 1.50]** "
-        "| 1.33 [1.33, 1.67] | 2.45 | 0.33 |"
+        "| vllm | code | 4 | 100 | 0.95 | 0.55 | 0.90 | **1.20** | 1.33 | 1.33 | 0.33 |"
     )
+    # Both clients of a cell on one line, streaming / JSON.
+    json_rows = [row | {"client": "json", "tokens_per_s": row["tokens_per_s"] * 2} for row in rows]
+    header, _, line = report.readme_table(rows + json_rows).splitlines()
+    assert line.startswith("| vllm | code | 4 | 100 / 200 | 0.95 / 0.95 |")
 
 
 def test_median_interval():
@@ -138,7 +141,7 @@ def test_report_without_old_tree_says_so():
                              "client": "json"}, runs)  # fmt: skip
     assert "vs_old" not in rows[-1]
     assert "old: not run (no --old-tree)" in report.markdown(_report(rows, None))
-    assert report.readme_table(rows).splitlines()[2].split(" | ")[7:10] == ["-", "**1.20 [1.20, 1.50]**", "-"]
+    assert report.readme_table(rows).splitlines()[2].split(" | ")[6:10] == ["-", "**1.20**", "1.33", "-"]
 
 
 def test_plot(tmp_path):
@@ -203,7 +206,7 @@ def test_cells_through_served_proxies(vllm_server, tmp_path):
     assert got["metadata"]["old_tree"]["path"] == str(REPO_ROOT)
     assert list(got["metadata"]["traces"]) == [str(tmp_path / "trace" / "vllm.jsonl")]
     assert (tmp_path / "adaptive.md").is_file() and (tmp_path / report.PLOT).is_file()
-    assert report.readme_table(rows).count("\n| vllm |") == 4
+    assert report.readme_table(rows).count("\n| vllm |") == 2  # code and random, both clients
 
 
 @pytest.mark.vllm

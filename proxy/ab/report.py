@@ -148,7 +148,8 @@ def verdict(since_start: dict[str, Any], shadow: list[dict[str, Any]]) -> str:
     if predicted:
         best = max(predicted, key=lambda row: row["predicted_ratio"])
         line += (f"; shadow: {best['drafter']} B={best['budget']} predicted best "
-                 f"({best['predicted_ratio']:.2f}x direct's decode rate, tau {best['tau']:.2f})")  # fmt: skip
+                 f"({best['predicted_ratio']:.2f}x direct's decode rate with trees of "
+                 f"{best['predicted_nodes']} nodes; tau {best['tau']:.2f} at the budget)")  # fmt: skip
     elif replayed:
         best = max(replayed, key=lambda row: row["tau"])
         line += f"; shadow: {best['drafter']} B={best['budget']} accepts most (tau {best['tau']:.2f})"
@@ -204,14 +205,15 @@ def format_report(report: dict[str, Any]) -> str:
             )
     if report["shadow"]:
         lines += ["", "shadow replays (direct answers)",
-                  "| drafter | budget | requests | rounds | tau | predicted x direct | cost source |",
-                  "|---|---|---|---|---|---|---|"]  # fmt: skip
+                  "| drafter | budget | requests | rounds | tau | predicted x direct | best nodes "
+                  "| cost source |",
+                  "|---|---|---|---|---|---|---|---|"]  # fmt: skip
         for row in report["shadow"]:
-            ratio = row.get("predicted_ratio")
+            ratio, nodes = row.get("predicted_ratio"), row.get("predicted_nodes")
             lines.append(
                 f"| {row['drafter']} | {row['budget']} | {row['requests']} | {row['rounds']} "
                 f"| {row['tau']:.3f} | {'-' if ratio is None else f'{ratio:.3g}x'} "
-                f"| {row.get('cost_source', '-')} |"
+                f"| {'-' if nodes is None else nodes} | {row.get('cost_source', '-')} |"
             )
         lines.append(f"dropped (queue full): {report['shadow_dropped']}")
     if report.get("forced_requests"):

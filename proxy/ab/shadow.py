@@ -30,6 +30,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
+import numpy as np
+
 from proxy.adaptive.estimates import LinearCost
 from proxy.adaptive.policy import target_tokens_along
 from proxy.backend.base import SessionOptions, Target, TargetError
@@ -47,13 +49,20 @@ RoundCost = Callable[[float, float], float]
 class Replay:
     """The rounds a DDTree run would have had on one output."""
 
-    acceptance_lengths: list[int] = field(default_factory=list)  # per round
-    num_nodes: list[int] = field(default_factory=list)  # per round: the tree's nodes
-    path_tokens: list[int] = field(default_factory=list)  # per round: its nodes' depths, summed
+    # Per round, [num_nodes + 1], at n = 0 .. the tree's nodes: the tokens the round
+    # would have committed (accepted + bonus) and its nodes' depths summed, had it
+    # verified only the tree's first n nodes (`DraftTree.prefix`, the tree sizes the
+    # adaptive policy chooses from). The last entry is the round as drafted.
+    tokens_by_size: list[np.ndarray] = field(default_factory=list)
+    path_by_size: list[np.ndarray] = field(default_factory=list)
     draft_calls: int = 0  # calls to a draft server (served drafters)
     # The first round with a drafted node: its committed prefix and tree (a probe call
     # verifies it for real to time a round; `Prober`).
     sample: tuple[list[int], DraftTree] | None = None
+
+    @property
+    def acceptance_lengths(self) -> list[int]:
+        return [int(tokens[-1]) for tokens in self.tokens_by_size]
 
 
 async def replay(
@@ -81,19 +90,28 @@ async def replay(
         actual = output_ids[emitted : emitted + max(depth, 0) + 1]
         if out.sample is None and tree.num_nodes:
             out.sample = (list(committed), tree)
-        result = walk(tree, target_tokens_along(tree, actual))
-        num_tokens = min(result.acceptance_length, len(actual))
+        tokens_by_size = committed_by_size(tree, actual)
+        num_tokens = int(tokens_by_size[-1])
         committed.extend(actual[:num_tokens])
         session.advance(committed, None)
         emitted += num_tokens
-        out.acceptance_lengths.append(num_tokens)
-        out.num_nodes.append(tree.num_nodes)
-        out.path_tokens.append(int(tree.depths.sum()))
+        out.tokens_by_size.append(tokens_by_size)
+        out.path_by_size.append(np.cumsum(tree.depths))
         out.draft_calls += drafted.draft_calls
         # An in-process drafter, the walk and the bookkeeping never wait on anything:
         # without this a whole replay would hold the event loop, and every request with it.
         await asyncio.sleep(0)
     return out
+
+
+def committed_by_size(tree: DraftTree, actual: Sequence[int]) -> np.ndarray:
+    """[num_nodes + 1] the tokens a round commits (accepted + bonus, at most
+    len(actual)) when it verifies only the first n nodes of `tree` and the target's
+    tokens are `actual`, n = 0 .. num_nodes. Parents precede children, so node indices
+    increase along the accepted path: the first n nodes hold its nodes up to index n."""
+    accepted = walk(tree, target_tokens_along(tree, actual)).accepted_nodes
+    within = np.searchsorted(accepted, np.arange(tree.num_nodes + 1), side="right")
+    return np.minimum(within + 1, len(actual))
 
 
 @dataclass(frozen=True)
@@ -105,26 +123,49 @@ class ShadowJob:
     max_tokens: int  # the request's limit (the loop's depth rule depends on it)
 
 
-@dataclass
 class ShadowTotals:
-    requests: int = 0
-    rounds: int = 0
-    tokens: int = 0  # summed acceptance lengths
-    nodes: int = 0  # summed tree nodes
-    path_tokens: int = 0  # summed node depths
-    draft_calls: int = 0
+    """One drafter x budget's replays, summed per tree size n = 0 .. budget (rounds
+    whose tree had fewer nodes count as their whole tree at every larger n)."""
+
+    def __init__(self, budget: int) -> None:
+        self.requests = 0
+        self.rounds = 0
+        self.draft_calls = 0
+        self.tokens = np.zeros(budget + 1)  # [n] committed tokens, summed over rounds
+        self.prompts = np.zeros(budget + 1)  # [n] verification prompts (nodes + root)
+        self.path_tokens = np.zeros(budget + 1)  # [n] node depths, summed
 
     @property
     def tau(self) -> float:
-        return self.tokens / self.rounds if self.rounds else 0.0
+        """Tokens per round of the budget's whole trees (the exact replay)."""
+        return float(self.tokens[-1] / self.rounds) if self.rounds else 0.0
 
     def add(self, replayed: Replay) -> None:
         self.requests += 1
-        self.rounds += len(replayed.acceptance_lengths)
-        self.tokens += sum(replayed.acceptance_lengths)
-        self.nodes += sum(replayed.num_nodes)
-        self.path_tokens += sum(replayed.path_tokens)
+        self.rounds += len(replayed.tokens_by_size)
         self.draft_calls += replayed.draft_calls
+        sizes = np.arange(len(self.tokens))
+        for tokens, path in zip(replayed.tokens_by_size, replayed.path_by_size, strict=True):
+            cut = np.minimum(sizes, len(tokens) - 1)
+            self.tokens += tokens[cut]
+            self.prompts += cut + 1
+            self.path_tokens += path[cut]
+
+    def predicted_rate(self, round_seconds: RoundCost) -> tuple[float, int] | None:
+        """(tokens per second, tree size n) of the tree size whose mean round is
+        predicted fastest, as the adaptive policy sizes its trees; None when no size
+        has a positive predicted time."""
+        best = None
+        for size in range(len(self.tokens)):
+            tau = self.tokens[size] / self.rounds
+            num_prompts = self.prompts[size] / self.rounds
+            # Every prompt recomputes the previous round's tokens (tau on average),
+            # plus its own path.
+            computed = num_prompts * tau + self.path_tokens[size] / self.rounds
+            seconds = round_seconds(num_prompts, computed)
+            if seconds > 0 and (best is None or tau / seconds > best[0]):
+                best = (float(tau / seconds), size)
+        return best
 
 
 class Prober:
@@ -191,7 +232,9 @@ class Shadow:
             for name, drafter in drafters.items()
         }
         self.queue: asyncio.Queue[ShadowJob] = asyncio.Queue(max_queue)
-        self.totals = {(name, budget): ShadowTotals() for name in drafters for budget in budgets}
+        self.totals = {
+            (name, budget): ShadowTotals(budget) for name in drafters for budget in budgets
+        }
         self.num_offered = 0
         self.num_dropped = 0
         self.num_replayed = 0
@@ -254,19 +297,15 @@ class Shadow:
     def table(self, round_seconds: RoundCost | None = None) -> list[dict]:
         """One row per drafter x budget; with `round_seconds` (the predicted seconds of
         a round verifying n prompts with c tokens to compute), the predicted tokens per
-        second of its rounds."""
+        second of its best tree size up to the budget (`ShadowTotals.predicted_rate`)."""
         rows = []
         for (name, budget), t in self.totals.items():
             row = {"drafter": name, "budget": budget, "requests": t.requests, "rounds": t.rounds,
                    "tau": round(t.tau, 4), "draft_calls": t.draft_calls,
-                   "predicted_tokens_per_s": None}  # fmt: skip
-            if round_seconds is not None and t.rounds:
-                num_prompts = 1 + t.nodes / t.rounds
-                # Every prompt recomputes the previous round's tokens (tau on average),
-                # plus its own path.
-                computed = num_prompts * t.tau + t.path_tokens / t.rounds
-                seconds = round_seconds(num_prompts, computed)
-                if seconds > 0:
-                    row["predicted_tokens_per_s"] = round(t.tau / seconds, 2)
+                   "predicted_tokens_per_s": None, "predicted_nodes": None}  # fmt: skip
+            predicted = t.predicted_rate(round_seconds) if round_seconds and t.rounds else None
+            if predicted is not None:
+                row["predicted_tokens_per_s"] = round(predicted[0], 2)
+                row["predicted_nodes"] = predicted[1]
             rows.append(row)
         return rows
