@@ -279,7 +279,8 @@ def compare(per_request: dict[str, list[float]], ratios: list[float], answer: di
             "requests": {arm: since_start["arms"][arm]["requests"] for arm in ("ddtree", "direct")},
             "report_ratio": measured,
             "shadow": {key: row.get(key) for key in ("requests", "rounds", "tau", "predicted_ratio",
-                                                     "predicted_nodes", "cost_source")},
+                                                     "speculated_share", "speculated_nodes",
+                                                     "cost_source")},
             "verdict": answer["verdict"],
         },
         "report_vs_interleaved": (
@@ -327,7 +328,7 @@ def markdown(result: dict) -> str:
               "| upstream | interleaved DDTree/direct (ratio of medians) | per-rep [95%] "
               "| report DDTree/direct [95%] | report / interleaved | shadow predicted "
               "| predicted / report | cost source | split requests (ddtree, direct) "
-              "| shadow tau (budget) / best nodes | arm tau / mean nodes |",
+              "| shadow: tau / speculated share / nodes | arm: tokens per round / nodes |",
               "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for cell in result["report_vs_measured"]:
         inter, split = cell["interleaved"], cell["split"]
@@ -342,7 +343,8 @@ def markdown(result: dict) -> str:
             f"| {_within(cell['shadow_vs_report'], SHADOW_BOUND)} "
             f"| {split['shadow']['cost_source'] or '-'} "
             f"| {split['requests']['ddtree']}, {split['requests']['direct']} "
-            f"| {_num(split['shadow']['tau'])} / {split['shadow']['predicted_nodes'] or '-'} "
+            f"| {_num(split['shadow']['tau'])} / {_num(split['shadow']['speculated_share'])} "
+            f"/ {_num(split['shadow']['speculated_nodes'])} "
             f"| {_num(cell['ddtree_arm']['tau'])} / {_num(cell['ddtree_arm']['mean_nodes'])} |"
         )
     return "\n".join(lines) + "\n"

@@ -28,8 +28,9 @@ from scipy.stats import binom, mannwhitneyu
 from proxy.ab import report
 from proxy.ab.measure import ABMetrics, RequestRecord, RequestTiming, speculative_decoding
 from proxy.ab.settings import ABSettings, split_drafter_specs
-from proxy.ab.shadow import Shadow, ShadowJob, committed_by_size, replay
+from proxy.ab.shadow import Emulated, Pricing, Shadow, ShadowJob, committed_by_size, replay
 from proxy.ab.split import Split, key_point
+from proxy.adaptive.estimates import Calibration
 from proxy.adaptive.policy import Policy, target_tokens_along
 from proxy.backend.base import TargetError
 from proxy.decoding import (
@@ -215,13 +216,14 @@ def test_the_verdict_names_the_best_predicted_shadow_pair():
     rng = np.random.default_rng(6)
     arms = {arm: _records(arm, rng.lognormal(4, 0.2, 30)) for arm in ("ddtree", "direct")}
     rows = [{"drafter": "ngram", "budget": b, "requests": 9, "rounds": 30, "tau": tau,
-             "predicted_ratio": ratio, "predicted_nodes": nodes, "cost_source": "ddtree arm's rounds"}
-            for b, tau, ratio, nodes in ((4, 2.0, 1.1, 3), (16, 2.6, 0.9, 16))]  # fmt: skip
+             "predicted_ratio": ratio, "speculated_share": share, "speculated_nodes": nodes,
+             "cost_source": "ddtree arm's rounds"}
+            for b, tau, ratio, share, nodes in ((4, 2.0, 1.1, 0.6, 3.5), (16, 2.6, 0.9, 0.25, 12.0))]  # fmt: skip
     built = report.build(arms, arms, uptime_s=1, window_s=1, split=0.5, shadow=rows, shadow_dropped=3)
-    assert built["verdict"].endswith("shadow: ngram B=4 predicted best (1.10x direct's decode rate "
-                                     "with trees of 3 nodes; tau 2.00 at the budget)")  # fmt: skip
-    assert "| ngram | 16 | 9 | 30 | 2.600 | 0.9x | 16 | ddtree arm's rounds |" in report.format_report(built)
-    unpredicted = [row | {"predicted_ratio": None, "predicted_nodes": None} for row in rows]
+    assert built["verdict"].endswith("shadow: ngram B=4 predicted best (1.10x direct's decode rate, "
+                                     "60% of tokens speculated; tau 2.00)")  # fmt: skip
+    assert "| ngram | 16 | 9 | 30 | 2.600 | 0.9x | 25% | 12.0 | ddtree arm's rounds |" in report.format_report(built)
+    unpredicted = [row | {"predicted_ratio": None, "speculated_share": None} for row in rows]
     built = report.build(arms, arms, uptime_s=1, window_s=1, split=0.5, shadow=unpredicted, shadow_dropped=0)
     assert built["verdict"].endswith("shadow: ngram B=16 accepts most (tau 2.60)")
 
@@ -395,19 +397,55 @@ def test_shadow_queue_drops_beyond_its_bound_and_counts():
     # round accepts all three drafted tokens plus the bonus.
     (row,) = shadow.table()
     assert (row["requests"], row["rounds"], row["tau"]) == (2, 2, 4.0)
-    assert row["predicted_tokens_per_s"] is None  # no verification cost known
-    # With a cost: tau over the predicted seconds of a round, at the best tree size.
+    assert row["predicted_tokens_per_s"] is None and row["priced_rounds"] == 0  # no cost known
+
+
+def test_priced_replays_emulate_the_policys_choice():
+    """With the upstream's costs, each replayed round is speculated at the tree size
+    predicted fastest when that beats plain decoding, else counted as plain tokens at
+    the direct arm's inter-token latency; the table gives the emulation's rate."""
+    drafter = load_drafter("ngram", None)
+    prompt, output = [1, 2, 3, 1, 2], [3, 1, 2, 3]  # one round accepts 3 drafted + bonus
     calls = []
-    (row,) = shadow.table(lambda num_prompts, computed: calls.append((num_prompts, computed)) or 0.5)
-    assert row["predicted_tokens_per_s"] == 8.0 and row["predicted_nodes"] in (3, 4)
-    assert len(calls) == 5  # one per tree size 0 .. budget
-    num_prompts, computed = calls[-1]
-    assert 4 >= num_prompts - 1 >= 3 and computed >= num_prompts * 4  # 3+ nodes, each past tau
-    # A cost per computed token makes a smaller tree the best: without nodes a round
-    # commits 1 token and computes 1 (the last round's bonus); the whole tree commits 4
-    # and computes 4 per prompt plus its paths.
-    (row,) = shadow.table(lambda num_prompts, computed: 0.01 + 0.1 * computed)
-    assert (row["predicted_nodes"], row["predicted_tokens_per_s"]) == (0, round(1 / 0.11, 2))
+
+    def priced(round_s: float) -> Pricing:
+        def seconds(num_prompts, computed):
+            calls.append((num_prompts, computed))
+            return np.full(len(num_prompts), round_s)
+
+        return Pricing(seconds, token_seconds=0.1)
+
+    def emulated(pricing: Pricing) -> Emulated:
+        replayed = run(replay(drafter, prompt, output, budget=4, max_depth=4, max_tokens=4,
+                              max_model_len=512, pricing=pricing,
+                              calibration=Calibration(lambda: 0.0)))  # fmt: skip
+        assert replayed.acceptance_lengths == [4]  # pricing changes no replayed round
+        return replayed.emulated
+
+    # A round of 1 ms beats 100 ms a token: the whole tree (the most expected tokens).
+    fast = emulated(priced(0.001))
+    assert (fast.rounds, fast.tokens, fast.seconds, fast.speculated_tokens) == (1, 4, 0.001, 4)
+    assert fast.speculated_nodes == len(calls[0][0]) - 1  # every node of the tree
+    # The first round's prompts each compute the whole prompt (5 tokens) plus their path.
+    num_prompts, computed = calls[0]
+    assert computed[0] == 5 and (computed[1:] > 5 * num_prompts[1:]).all()
+    # A round of 1 s loses to 100 ms a token: plain, 4 tokens in 0.4 s.
+    slow = emulated(priced(1.0))
+    assert (slow.tokens, slow.seconds, slow.speculated_rounds) == (4, 0.4, 0)
+
+    async def served(pricing: Pricing | None):
+        shadow = Shadow({"ngram": drafter}, (4,), None, max_queue=2, max_model_len=512,
+                        pricing=lambda: pricing)  # fmt: skip
+        shadow.offer(ShadowJob(prompt, output, max_tokens=4))
+        shadow.start()
+        await shadow.queue.join()
+        await shadow.stop()
+        return shadow.table()
+
+    (row,) = run(served(priced(0.001)))
+    assert (row["priced_rounds"], row["predicted_tokens_per_s"], row["speculated_share"]) == (1, 4000.0, 1.0)
+    (row,) = run(served(priced(1.0)))
+    assert (row["predicted_tokens_per_s"], row["speculated_share"], row["speculated_nodes"]) == (10.0, 0.0, None)
 
 
 @hypothesis_settings(max_examples=100, deadline=None)
@@ -428,7 +466,8 @@ def test_committed_by_size_is_the_walk_of_each_trees_prefix(seed, budget, along)
         along //= 2
         actual.append(token)
     actual = (actual + [int(rng.integers(6))])[: 1 + int(rng.integers(1, depth + 1))]
-    by_size = committed_by_size(tree, actual)
+    accepted = walk(tree, target_tokens_along(tree, actual)).accepted_nodes
+    by_size = committed_by_size(accepted, tree.num_nodes, len(actual))
     for size in range(tree.num_nodes + 1):
         cut = tree.prefix(size)
         walked = walk(cut, target_tokens_along(cut, actual)).acceptance_length
@@ -827,7 +866,8 @@ def test_equal_arms_seldom_trip_the_guardrail_and_a_slower_arm_does():
 def test_shadow_predictions_use_a_replicas_fit_when_there_are_several():
     """With several upstream replicas each has its own policy and the runtime's stays
     empty: the shadow's rounds are priced with the replica that measured the most
-    rounds, named in cost_source; with none measured, no prediction."""
+    rounds, named in cost_source; replays before any round was measured are not
+    priced, and with none priced there is no prediction."""
     clock = Clock()
     policy = Policy(clock)
     measured = policy.for_replica("http://b:8000")
@@ -838,15 +878,17 @@ def test_shadow_predictions_use_a_replicas_fit_when_there_are_several():
         ab = _direct_ab()
         await ab.start(runtime, CollectorRegistry())
         assert ab.shadow is not None
-        await ab.shadow.replay_job(ShadowJob([1, 2, 3, 1, 2], [3, 1, 2, 3, 1, 2, 3, 1], max_tokens=8))
+        job = ShadowJob([1, 2, 3, 1, 2], [3, 1, 2, 3, 1, 2, 3, 1], max_tokens=8)
         direct = RequestTiming("direct", clock)
         for _ in range(8):  # one token every 10 ms
             clock.now += 0.01
             direct.tokens(1)
         ab.finish(direct, True)
+        await ab.shadow.replay_job(job)
         before = ab._shadow_table(ab.records.since(0.0)["direct"])
         for num_prompts in range(1, 9):  # 20 ms a call, 2 ms a prompt
             measured.calls.observe(num_prompts, 10 * num_prompts, 0.02 + 0.002 * num_prompts)
+        await ab.shadow.replay_job(job)
         after = ab._shadow_table(ab.records.since(0.0)["direct"])
         await ab.stop()
         return before, after
@@ -855,7 +897,8 @@ def test_shadow_predictions_use_a_replicas_fit_when_there_are_several():
     assert {row["cost_source"] for row in before} == {"none: no DDTree rounds measured"}
     assert all(row["predicted_ratio"] is None for row in before)
     assert {row["cost_source"] for row in after} == {"ddtree arm's rounds (replica http://b:8000)"}
-    assert all(row["predicted_ratio"] > 0 for row in after)
+    assert all(row["predicted_ratio"] > 0 and row["priced_rounds"] > 0 for row in after)
+    assert all(row["rounds"] > row["priced_rounds"] for row in after)  # the first job's were not
 
 
 class _TimedTarget:
@@ -894,15 +937,15 @@ def test_probe_calls_price_the_shadow_within_their_share():
         ab = _direct_ab(shadow_probes=0.3, shadow_budgets="2,8")
         await ab.start(runtime, CollectorRegistry())
         assert ab.shadow is not None and ab.shadow.prober is not None
-        for job in jobs:
-            ab.shadow.offer(job)
-        for job in jobs:
-            await ab.shadow.replay_job(job)
         direct = RequestTiming("direct", clock)
         for _ in range(8):
             clock.now += 0.01
             direct.tokens(1)
         ab.finish(direct, True)
+        for job in jobs:
+            ab.shadow.offer(job)
+        for job in jobs:  # priced from the first probe on
+            await ab.shadow.replay_job(job)
         table = ab._shadow_table(ab.records.since(0.0)["direct"])
         counts = (await ab.report())["shadow_counts"]
         await ab.stop()

@@ -16,7 +16,8 @@ from proxy.server.metrics import PolicyCollector
 def _answer(ratio: list[float] | None, predicted: float | None) -> dict:
     arms = {"ddtree": {"requests": 61}, "direct": {"requests": 59}}
     shadow = [{"drafter": SHADOW_DRAFTER, "budget": SERVING_BUDGET, "requests": 59,
-               "rounds": 700, "tau": 3.1, "predicted_ratio": predicted, "predicted_nodes": 9,
+               "rounds": 700, "tau": 3.1, "predicted_ratio": predicted, "speculated_share": 0.5,
+               "speculated_nodes": 7.5,
                "cost_source": "ddtree arm's rounds"},
               {"drafter": SHADOW_DRAFTER, "budget": 4, "requests": 59, "rounds": 900,
                "tau": 2.5, "predicted_ratio": None, "cost_source": "-"}]  # fmt: skip
@@ -44,7 +45,7 @@ def test_the_report_is_compared_with_the_interleaved_ratio_of_medians():
     assert "| 1 | 95.0 | 93.5 | 0.98 [0.97, 0.99] | 48 / 50 (96%) | 2 |" in table
     assert "1.10 (within 10%)" in table and "0.73 (outside 15%)" in table
     assert "300 -> 310 MB" in table and "1 rounds of 128" in table
-    assert "| 3.10 / 9 | 3.40 / 7.25 |" in table  # the shadow's tau and tree size, the arm's
+    assert "| 3.10 / 0.50 / 7.50 | 3.40 / 7.25 |" in table  # the shadow's, the arm's rounds
 
 
 def test_the_arms_rounds_and_the_policys_estimates_are_read_from_metrics():

@@ -24,6 +24,10 @@ BOOTSTRAP_RESAMPLES = 1000
 # The latest requests a bootstrap resamples: bounds one report's work (1000 x 5000
 # values) while leaving the interval about as narrow as all of them would.
 MAX_BOOTSTRAP_REQUESTS = 5000
+# Resamples drawn at a time: bounds a report's memory at 50 x 5000 values per array
+# whatever the number of requests (all 1000 at once held 1000 x N, and the proxy's
+# resident memory kept that peak: it grew with every report as requests accrued).
+BOOTSTRAP_CHUNK = 50
 MIN_REQUESTS = 10  # per arm, before a ratio or a verdict
 SEED = 0  # the same records give the same intervals
 
@@ -55,8 +59,12 @@ def bootstrap(
     """`statistic` of the samples, and its 95 % interval: `statistic` takes one
     [resamples, n] array per sample and reduces along axis 1."""
     value = float(statistic(*(s[None, :] for s in samples))[0])
-    draws = [s[rng.integers(0, len(s), size=(resamples, len(s)))] for s in samples]
-    low, high = np.percentile(statistic(*draws), [2.5, 97.5])
+    statistics = []
+    for start in range(0, resamples, BOOTSTRAP_CHUNK):
+        size = min(BOOTSTRAP_CHUNK, resamples - start)
+        draws = [s[rng.integers(0, len(s), size=(size, len(s)))] for s in samples]
+        statistics.append(statistic(*draws))
+    low, high = np.percentile(np.concatenate(statistics), [2.5, 97.5])
     return Interval(value, float(low), float(high))
 
 
@@ -148,8 +156,8 @@ def verdict(since_start: dict[str, Any], shadow: list[dict[str, Any]]) -> str:
     if predicted:
         best = max(predicted, key=lambda row: row["predicted_ratio"])
         line += (f"; shadow: {best['drafter']} B={best['budget']} predicted best "
-                 f"({best['predicted_ratio']:.2f}x direct's decode rate with trees of "
-                 f"{best['predicted_nodes']} nodes; tau {best['tau']:.2f} at the budget)")  # fmt: skip
+                 f"({best['predicted_ratio']:.2f}x direct's decode rate, "
+                 f"{best['speculated_share']:.0%} of tokens speculated; tau {best['tau']:.2f})")  # fmt: skip
     elif replayed:
         best = max(replayed, key=lambda row: row["tau"])
         line += f"; shadow: {best['drafter']} B={best['budget']} accepts most (tau {best['tau']:.2f})"
@@ -205,15 +213,17 @@ def format_report(report: dict[str, Any]) -> str:
             )
     if report["shadow"]:
         lines += ["", "shadow replays (direct answers)",
-                  "| drafter | budget | requests | rounds | tau | predicted x direct | best nodes "
-                  "| cost source |",
-                  "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+                  "| drafter | budget | requests | rounds | tau | predicted x direct "
+                  "| speculated share | speculated nodes | cost source |",
+                  "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
         for row in report["shadow"]:
-            ratio, nodes = row.get("predicted_ratio"), row.get("predicted_nodes")
+            ratio, share = row.get("predicted_ratio"), row.get("speculated_share")
+            nodes = row.get("speculated_nodes")
             lines.append(
                 f"| {row['drafter']} | {row['budget']} | {row['requests']} | {row['rounds']} "
                 f"| {row['tau']:.3f} | {'-' if ratio is None else f'{ratio:.3g}x'} "
-                f"| {'-' if nodes is None else nodes} | {row.get('cost_source', '-')} |"
+                f"| {'-' if share is None else f'{share:.0%}'} | {'-' if nodes is None else nodes} "
+                f"| {row.get('cost_source', '-')} |"
             )
         lines.append(f"dropped (queue full): {report['shadow_dropped']}")
     if report.get("forced_requests"):

@@ -17,6 +17,10 @@ The one difference: the last round ends with the output. Where it ended by a sto
 or string, the real round may have accepted tokens past it; the replay cannot know
 them, and counts the round up to the end.
 
+Once the upstream's costs are known (`Pricing`), each replayed round also emulates the
+adaptive policy's choice between speculating and plain decoding (`_emulate`): the
+predicted speed of the policy a user would deploy, not of speculating every round.
+
 Replays run one at a time off the request's path, from a bounded queue, busy at most
 a set share of the time (`--shadow-busy`: replays run on the proxy's host, whose cores
 a local upstream also uses): under load new work is dropped (counted), never waited for.
@@ -32,7 +36,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from proxy.adaptive.estimates import LinearCost
+from proxy.adaptive.estimates import Calibration, LinearCost
 from proxy.adaptive.policy import target_tokens_along
 from proxy.backend.base import SessionOptions, Target, TargetError
 from proxy.decoding import TreeSettings, resolve_depth
@@ -41,28 +45,46 @@ from proxy.round import RoundShape, draft
 from proxy.tree import DraftTree, walk
 
 logger = logging.getLogger("ddtree_proxy.shadow")
-# (prompts per round, tokens computed per round) -> predicted seconds of a round
-RoundCost = Callable[[float, float], float]
+# (prompts per round, tokens computed per round) -> predicted seconds of a round, for
+# arrays of both (one entry per tree size)
+RoundCost = Callable[[np.ndarray, np.ndarray], np.ndarray]
+
+
+@dataclass(frozen=True)
+class Pricing:
+    """What the upstream charges now: a verification round, and a plain token."""
+
+    round_seconds: RoundCost  # vectorized over tree sizes
+    token_seconds: float  # the direct arm's median inter-token latency
+
+
+@dataclass
+class Emulated:
+    """The adaptive policy's choice emulated at replayed rounds (`_emulate`): the
+    tokens and predicted seconds of the rounds, and of them the speculated ones."""
+
+    rounds: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+    speculated_rounds: int = 0
+    speculated_tokens: int = 0
+    speculated_nodes: int = 0  # verified nodes, summed
+
+    def add(self, other: Emulated) -> None:
+        for name in vars(self):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
 
 
 @dataclass
 class Replay:
     """The rounds a DDTree run would have had on one output."""
 
-    # Per round, [num_nodes + 1], at n = 0 .. the tree's nodes: the tokens the round
-    # would have committed (accepted + bonus) and its nodes' depths summed, had it
-    # verified only the tree's first n nodes (`DraftTree.prefix`, the tree sizes the
-    # adaptive policy chooses from). The last entry is the round as drafted.
-    tokens_by_size: list[np.ndarray] = field(default_factory=list)
-    path_by_size: list[np.ndarray] = field(default_factory=list)
+    acceptance_lengths: list[int] = field(default_factory=list)  # per round
     draft_calls: int = 0  # calls to a draft server (served drafters)
     # The first round with a drafted node: its committed prefix and tree (a probe call
     # verifies it for real to time a round; `Prober`).
     sample: tuple[list[int], DraftTree] | None = None
-
-    @property
-    def acceptance_lengths(self) -> list[int]:
-        return [int(tokens[-1]) for tokens in self.tokens_by_size]
+    emulated: Emulated = field(default_factory=Emulated)  # with `replay`'s `pricing`
 
 
 async def replay(
@@ -74,14 +96,18 @@ async def replay(
     max_depth: int,
     max_tokens: int,
     max_model_len: int,
+    pricing: Pricing | None = None,
+    calibration: Calibration | None = None,
 ) -> Replay:
     """The rounds a DDTree run of `drafter` at `budget` would have had on this output
     (the loop's depth rule: at most `max_depth`, never past `max_tokens` or the
-    context)."""
+    context). With `pricing` and `calibration`, each round also emulates the adaptive
+    policy's choice (`_emulate`), and the calibration learns from the round's walk."""
     session = drafter.start(list(prompt_ids), None)
     committed = list(prompt_ids)
     out = Replay()
     emitted = 0
+    unseen = len(committed)  # context the target has not processed (the loop's rule)
     while emitted < len(output_ids):
         room = max_model_len - len(committed)
         depth = min(max_depth, max_tokens - emitted - 1, room - 1)
@@ -90,13 +116,16 @@ async def replay(
         actual = output_ids[emitted : emitted + max(depth, 0) + 1]
         if out.sample is None and tree.num_nodes:
             out.sample = (list(committed), tree)
-        tokens_by_size = committed_by_size(tree, actual)
-        num_tokens = int(tokens_by_size[-1])
+        accepted = walk(tree, target_tokens_along(tree, actual)).accepted_nodes
+        by_size = committed_by_size(accepted, tree.num_nodes, len(actual))
+        if pricing is not None and calibration is not None:
+            unseen = _emulate(out.emulated, tree, by_size, unseen, pricing, calibration)
+            calibration.observe(tree, accepted)
+        num_tokens = int(by_size[-1])
         committed.extend(actual[:num_tokens])
         session.advance(committed, None)
         emitted += num_tokens
-        out.tokens_by_size.append(tokens_by_size)
-        out.path_by_size.append(np.cumsum(tree.depths))
+        out.acceptance_lengths.append(num_tokens)
         out.draft_calls += drafted.draft_calls
         # An in-process drafter, the walk and the bookkeeping never wait on anything:
         # without this a whole replay would hold the event loop, and every request with it.
@@ -104,14 +133,50 @@ async def replay(
     return out
 
 
-def committed_by_size(tree: DraftTree, actual: Sequence[int]) -> np.ndarray:
-    """[num_nodes + 1] the tokens a round commits (accepted + bonus, at most
-    len(actual)) when it verifies only the first n nodes of `tree` and the target's
-    tokens are `actual`, n = 0 .. num_nodes. Parents precede children, so node indices
-    increase along the accepted path: the first n nodes hold its nodes up to index n."""
-    accepted = walk(tree, target_tokens_along(tree, actual)).accepted_nodes
-    within = np.searchsorted(accepted, np.arange(tree.num_nodes + 1), side="right")
-    return np.minimum(within + 1, len(actual))
+def _emulate(
+    out: Emulated,
+    tree: DraftTree,
+    by_size: np.ndarray,
+    unseen: int,
+    pricing: Pricing,
+    calibration: Calibration,
+) -> int:
+    """The adaptive policy's rule at one replayed round (`docs/POLICY.md`), without its
+    hysteresis and re-measurements: the tree size n with the best predicted rate (the
+    calibrated expected tokens over the priced round) is speculated if that rate beats
+    plain decoding's, and then commits what its first n nodes really accept; otherwise
+    the round's tokens come plainly, at the direct arm's inter-token latency. Adds the
+    round to `out`; returns the context the next round's prompts leave unprocessed."""
+    expected = 1.0 + np.concatenate([[0.0], np.cumsum(calibration.acceptance(tree))])
+    num_prompts = np.arange(1, tree.num_nodes + 2)
+    computed = num_prompts * unseen + np.cumsum(tree.depths)
+    seconds = np.asarray(pricing.round_seconds(num_prompts, computed), dtype=np.float64)
+    with np.errstate(divide="ignore"):
+        rates = np.where(seconds > 0, expected / seconds, np.inf)
+    best = int(np.argmax(rates))
+    out.rounds += 1
+    if rates[best] * pricing.token_seconds > 1.0:
+        tokens = int(by_size[best])
+        out.tokens += tokens
+        out.seconds += float(seconds[best])
+        out.speculated_rounds += 1
+        out.speculated_tokens += tokens
+        out.speculated_nodes += best
+        return tokens
+    tokens = int(by_size[-1])
+    out.tokens += tokens
+    out.seconds += tokens * pricing.token_seconds
+    return 1  # a plain stream leaves the target holding the context
+
+
+def committed_by_size(accepted_nodes: Sequence[int], num_nodes: int, span: int) -> np.ndarray:
+    """[num_nodes + 1] the tokens a round commits (accepted + bonus, at most `span`,
+    the tokens left to check) when it verifies only the first n nodes of its tree,
+    n = 0 .. num_nodes, given the nodes its whole tree's walk accepted. Parents precede
+    children, so node indices increase along the accepted path: the first n nodes hold
+    its nodes up to index n."""
+    nodes = np.asarray(accepted_nodes, dtype=np.int64)
+    return np.minimum(np.searchsorted(nodes, np.arange(num_nodes + 1), side="right") + 1, span)
 
 
 @dataclass(frozen=True)
@@ -123,49 +188,26 @@ class ShadowJob:
     max_tokens: int  # the request's limit (the loop's depth rule depends on it)
 
 
+@dataclass
 class ShadowTotals:
-    """One drafter x budget's replays, summed per tree size n = 0 .. budget (rounds
-    whose tree had fewer nodes count as their whole tree at every larger n)."""
+    """One drafter x budget's replays, summed."""
 
-    def __init__(self, budget: int) -> None:
-        self.requests = 0
-        self.rounds = 0
-        self.draft_calls = 0
-        self.tokens = np.zeros(budget + 1)  # [n] committed tokens, summed over rounds
-        self.prompts = np.zeros(budget + 1)  # [n] verification prompts (nodes + root)
-        self.path_tokens = np.zeros(budget + 1)  # [n] node depths, summed
+    requests: int = 0
+    rounds: int = 0
+    tokens: int = 0  # summed acceptance lengths
+    draft_calls: int = 0
+    emulated: Emulated = field(default_factory=Emulated)
 
     @property
     def tau(self) -> float:
-        """Tokens per round of the budget's whole trees (the exact replay)."""
-        return float(self.tokens[-1] / self.rounds) if self.rounds else 0.0
+        return self.tokens / self.rounds if self.rounds else 0.0
 
     def add(self, replayed: Replay) -> None:
         self.requests += 1
-        self.rounds += len(replayed.tokens_by_size)
+        self.rounds += len(replayed.acceptance_lengths)
+        self.tokens += sum(replayed.acceptance_lengths)
         self.draft_calls += replayed.draft_calls
-        sizes = np.arange(len(self.tokens))
-        for tokens, path in zip(replayed.tokens_by_size, replayed.path_by_size, strict=True):
-            cut = np.minimum(sizes, len(tokens) - 1)
-            self.tokens += tokens[cut]
-            self.prompts += cut + 1
-            self.path_tokens += path[cut]
-
-    def predicted_rate(self, round_seconds: RoundCost) -> tuple[float, int] | None:
-        """(tokens per second, tree size n) of the tree size whose mean round is
-        predicted fastest, as the adaptive policy sizes its trees; None when no size
-        has a positive predicted time."""
-        best = None
-        for size in range(len(self.tokens)):
-            tau = self.tokens[size] / self.rounds
-            num_prompts = self.prompts[size] / self.rounds
-            # Every prompt recomputes the previous round's tokens (tau on average),
-            # plus its own path.
-            computed = num_prompts * tau + self.path_tokens[size] / self.rounds
-            seconds = round_seconds(num_prompts, computed)
-            if seconds > 0 and (best is None or tau / seconds > best[0]):
-                best = (float(tau / seconds), size)
-        return best
+        self.emulated.add(replayed.emulated)
 
 
 class Prober:
@@ -221,9 +263,11 @@ class Shadow:
         max_model_len: int,
         busy_share: float = 1.0,
         prober: Prober | None = None,
+        pricing: Callable[[], Pricing | None] = lambda: None,
     ):
         self.drafters = drafters
         self.prober = prober
+        self.pricing = pricing  # the upstream's costs now, once known (`_emulate`)
         self.budgets = tuple(budgets)
         self.max_model_len = max_model_len
         self.busy_share = busy_share  # of wall time the worker may spend replaying
@@ -232,9 +276,12 @@ class Shadow:
             for name, drafter in drafters.items()
         }
         self.queue: asyncio.Queue[ShadowJob] = asyncio.Queue(max_queue)
-        self.totals = {
-            (name, budget): ShadowTotals(budget) for name in drafters for budget in budgets
-        }
+        pairs = [(name, budget) for name in drafters for budget in budgets]
+        self.totals = {pair: ShadowTotals() for pair in pairs}
+        # Each pair's acceptance per drafter probability, learnt from its replays (the
+        # policy's own is the serving drafter's, learnt from served rounds). Its clock
+        # stands still: the evidence does not fade, as the totals are since start.
+        self.calibrations = {pair: Calibration(lambda: 0.0) for pair in pairs}
         self.num_offered = 0
         self.num_dropped = 0
         self.num_replayed = 0
@@ -281,12 +328,14 @@ class Shadow:
 
     async def replay_job(self, job: ShadowJob) -> None:
         samples = []
+        pricing = self.pricing()
         for name, drafter in self.drafters.items():
             for budget in self.budgets:
                 replayed = await replay(
                     drafter, job.prompt_ids, job.output_ids, budget=budget,
                     max_depth=self.max_depths[name], max_tokens=job.max_tokens,
-                    max_model_len=self.max_model_len,
+                    max_model_len=self.max_model_len, pricing=pricing,
+                    calibration=self.calibrations[name, budget],
                 )  # fmt: skip
                 self.totals[name, budget].add(replayed)
                 if replayed.sample is not None:
@@ -294,18 +343,22 @@ class Shadow:
         if self.prober is not None and samples:
             await self.prober.maybe(samples, self.num_offered)
 
-    def table(self, round_seconds: RoundCost | None = None) -> list[dict]:
-        """One row per drafter x budget; with `round_seconds` (the predicted seconds of
-        a round verifying n prompts with c tokens to compute), the predicted tokens per
-        second of its best tree size up to the budget (`ShadowTotals.predicted_rate`)."""
+    def table(self) -> list[dict]:
+        """One row per drafter x budget: its replays' tau, and where rounds were priced
+        (`Pricing`), the adaptive policy emulated on them (`_emulate`): predicted
+        tokens per second, the share of tokens it would have speculated, and the mean
+        nodes of its speculated rounds."""
         rows = []
         for (name, budget), t in self.totals.items():
+            e = t.emulated
             row = {"drafter": name, "budget": budget, "requests": t.requests, "rounds": t.rounds,
                    "tau": round(t.tau, 4), "draft_calls": t.draft_calls,
-                   "predicted_tokens_per_s": None, "predicted_nodes": None}  # fmt: skip
-            predicted = t.predicted_rate(round_seconds) if round_seconds and t.rounds else None
-            if predicted is not None:
-                row["predicted_tokens_per_s"] = round(predicted[0], 2)
-                row["predicted_nodes"] = predicted[1]
+                   "priced_rounds": e.rounds, "predicted_tokens_per_s": None,
+                   "speculated_share": None, "speculated_nodes": None}  # fmt: skip
+            if e.seconds > 0:
+                row["predicted_tokens_per_s"] = round(e.tokens / e.seconds, 2)
+                row["speculated_share"] = round(e.speculated_tokens / e.tokens, 3)
+            if e.speculated_rounds:
+                row["speculated_nodes"] = round(e.speculated_nodes / e.speculated_rounds, 2)
             rows.append(row)
         return rows

@@ -23,15 +23,16 @@ import random
 import re
 import time
 from collections import deque
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable, Iterable
 
 import numpy as np
 from fastapi import Request, Response
 
 from proxy.ab import report
 from proxy.ab.measure import MAX_RECORDS, ABMetrics, ArmRecords, RequestRecord, RequestTiming
-from proxy.ab.shadow import Prober, Shadow, ShadowJob
+from proxy.ab.shadow import Pricing, Prober, Shadow, ShadowJob
 from proxy.ab.split import ARMS, Arm, Split
+from proxy.adaptive.estimates import LinearCost
 from proxy.adaptive.policy import Policy
 from proxy.drafter.base import Drafter
 from proxy.runtime import Runtime
@@ -105,7 +106,8 @@ class AB:
             prober = Prober(runtime.target, settings.shadow_probes,
                             needed=lambda: _fitted(self._policy)[0] is None)  # fmt: skip
         self.shadow = Shadow(drafters, settings.budgets, self._tree_depth, settings.shadow_queue,
-                             runtime.max_model_len, settings.shadow_busy, prober)  # fmt: skip
+                             runtime.max_model_len, settings.shadow_busy, prober,
+                             self._pricing)  # fmt: skip
         self.shadow.start()
 
     async def stop(self) -> None:
@@ -305,38 +307,50 @@ class AB:
 
         return build
 
-    def _shadow_table(self, direct: list[RequestRecord]) -> list[dict[str, Any]]:
-        """The shadow's rows; where the DDTree arm's rounds have fitted the upstream's
-        verification cost (the adaptive policy's fit), each pair's predicted tokens/s
-        and its ratio to the direct arm's decode rate (1 / median inter-token latency)."""
-        assert self.shadow is not None
+    def _cost(self) -> tuple[LinearCost | None, float, str]:
+        """(the fit of a verification call's seconds, host seconds per round outside
+        it, where they come from): the DDTree arm's rounds (the adaptive policy's fit)
+        where it has measured any, else the shadow's probe calls; (None, 0, why not)."""
         policy, replica = _fitted(self._policy)
-        prober = self.shadow.prober
-        # A decode rate needs a gap: answers whose tokens came at once have none.
-        itls = [r.itl_s for r in direct if r.itl_s is not None and r.itl_s > 0]
-        calls, overhead = None, 0.0
         if policy is not None:
-            calls, overhead = policy.calls, policy.overhead.ratio() or 0.0
             source = "ddtree arm's rounds" + ("" if replica is None else f" (replica {replica})")
-        elif prober is not None and prober.calls.num_rows:
-            calls, source = prober.calls, f"probe calls ({prober.num_probes})"
-        if calls is None or not itls:
-            rows = self.shadow.table()
-            if not itls:
-                source = "none: no direct answers"
-            elif calls is None:
-                source = "none: no DDTree rounds measured" + (", no probe yet" if prober else "")
-            return [row | {"predicted_ratio": None, "cost_source": source} for row in rows]
-        fit = calls
+            return policy.calls, policy.overhead.ratio() or 0.0, source
+        prober = self.shadow.prober if self.shadow is not None else None
+        if prober is not None and prober.calls.num_rows:
+            return prober.calls, 0.0, f"probe calls ({prober.num_probes})"
+        return None, 0.0, "none: no DDTree rounds measured" + (", no probe yet" if prober else "")
 
-        def round_seconds(num_prompts: float, computed_tokens: float) -> float:
-            return float(fit.seconds(num_prompts, computed_tokens)) + overhead
+    def _direct_itl(self, direct: Iterable[RequestRecord]) -> float | None:
+        """The direct arm's median inter-token latency (a decode rate needs a gap:
+        answers whose tokens came at once have none)."""
+        itls = [r.itl_s for r in direct if r.itl_s is not None and r.itl_s > 0]
+        return float(np.median(itls)) if itls else None
 
-        direct_itl = float(np.median(itls))
+    def _pricing(self) -> Pricing | None:
+        """The upstream's costs now, for the shadow's emulation of the policy; None
+        until both a round's cost and the direct arm's decode rate are measured."""
+        calls, overhead, _ = self._cost()
+        itl = self._direct_itl(self.records.records["direct"])  # every record kept
+        if calls is None or itl is None:
+            return None
+
+        def round_seconds(num_prompts: np.ndarray, computed_tokens: np.ndarray) -> np.ndarray:
+            return calls.seconds(num_prompts, computed_tokens) + overhead
+
+        return Pricing(round_seconds, itl)
+
+    def _shadow_table(self, direct: list[RequestRecord]) -> list[dict[str, Any]]:
+        """The shadow's rows, each with its predicted tokens/s over the direct arm's
+        decode rate (1 / median inter-token latency) and where the cost came from."""
+        assert self.shadow is not None
+        _, _, source = self._cost()
+        itl = self._direct_itl(direct)
+        if itl is None:
+            source = "none: no direct answers"
         rows = []
-        for row in self.shadow.table(round_seconds):
+        for row in self.shadow.table():
             rate = row["predicted_tokens_per_s"]
-            ratio = None if rate is None else round(rate * direct_itl, 3)
+            ratio = None if rate is None or itl is None else round(rate * itl, 3)
             rows.append(row | {"predicted_ratio": ratio, "cost_source": source})
         return rows
 
