@@ -118,24 +118,33 @@ cmd_install() {
 # (and a proxy and the clients beside it): 16 concurrent streams sent straight to vLLM
 # took 1 s in most runs and 2.5-6.6 s in others, one request at a time, with /metrics
 # answered 0.3-1.6 s late. The engine core at the lowest priority (nice 19: it runs when
-# nothing else wants the core) made every one of 25 such runs 1.0-1.2 s. Waits for the
-# engine core of process group $1 to appear and renices its threads (threads it starts
-# later inherit the main thread's priority).
+# nothing else wants the core) made every one of 25 such runs 1.0-1.2 s. Renices the
+# threads of the engine core of process group $1 once the server answers /health. Its
+# workers are its child processes and inherit its priority when they are forked, and
+# by then every one has started: renicing as soon as the engine core appeared left a
+# worker forked after it at 19 too (seen in CI). Threads the engine core starts later
+# inherit its main thread's priority. Gives up if the API server exits first.
 lower_engine_core_priority() {
-    local group="$1" nice="$2" t0=$SECONDS pids
-    while (( SECONDS - t0 < 900 )); do
-        pids=$(pgrep -g "$group" -f '^VLLM::EngineCore' || true)
-        if [[ -n "$pids" ]]; then
-            local pid task
-            for pid in $pids; do
-                for task in /proc/"$pid"/task/*; do
-                    renice -n "$nice" -p "${task##*/}" >/dev/null 2>&1 || true
-                done
-            done
-            return 0
-        fi
-        sleep 0.5
+    local group="$1" nice="$2" pids pid task
+    until healthy; do
+        pgrep -g "$group" -f vllm.entrypoints.openai.api_server >/dev/null || return 0
+        sleep 1
     done
+    pids=$(pgrep -g "$group" -f '^VLLM::EngineCore' || true)
+    [[ -n "$pids" ]] || { log "no engine core in process group $group to renice"; return 0; }
+    for pid in $pids; do
+        for task in /proc/"$pid"/task/*; do
+            renice -n "$nice" -p "${task##*/}" >/dev/null 2>&1 || true
+        done
+    done
+}
+
+# Whether the server on $host:$port answers /health.
+healthy() {
+    "$VENV/bin/python" - "$host" "$port" <<'PY' 2>/dev/null
+import sys, urllib.request
+urllib.request.urlopen(f"http://{sys.argv[1]}:{sys.argv[2]}/health", timeout=2).read()
+PY
 }
 
 cmd_serve() {
@@ -180,20 +189,13 @@ cmd_serve() {
     # setsid: the server outlives this script and can be stopped as a process group.
     setsid "$VENV/bin/python" "${args[@]}" >"$logfile" 2>&1 < /dev/null &
     local pid=$!
-    if [[ "$nice" != 0 ]]; then
-        ( lower_engine_core_priority "$pid" "$nice" & )
-    fi
     while true; do
         if ! kill -0 "$pid" 2>/dev/null; then
             echo "----- last 40 lines of $logfile -----" >&2
             tail -n 40 "$logfile" >&2
             die "vLLM exited during start-up"
         fi
-        if "$VENV/bin/python" - "$host" "$port" <<'EOF' 2>/dev/null
-import sys, urllib.request
-urllib.request.urlopen(f"http://{sys.argv[1]}:{sys.argv[2]}/health", timeout=2).read()
-EOF
-        then
+        if healthy; then
             break
         fi
         if (( SECONDS - t0 > timeout )); then
@@ -221,6 +223,9 @@ EOF
         tail -n 40 "$logfile" >&2
         kill -- -"$pid" 2>/dev/null || kill "$pid" 2>/dev/null || true
         die "vLLM answered /health but failed a 1-token completion"
+    fi
+    if [[ "$nice" != 0 ]]; then
+        lower_engine_core_priority "$pid" "$nice"
     fi
     log "vLLM ready in $((SECONDS - t0)) s: pid $pid"
     echo "PID=$pid"

@@ -13,8 +13,9 @@ Faults (FAULTS):
                   whose connection closed early: no [DONE]).
 
 Every other call is forwarded to the upstream and its answer relayed whole (bodies
-are buffered: the tests send JSON calls, not streams). The shim counts calls per path,
-faults per kind, and records the Authorization header of each forwarded call.
+are buffered: a stream reaches the caller in one piece, its events unchanged). The shim
+counts calls per path, faults per kind, and records the Authorization header of each
+forwarded call and, with `record=True`, each relayed call's path, body and answer.
 Run it with `with FaultShim(upstream_url, rate=0.1) as shim: ... shim.url ...`; it
 serves from a daemon thread with its own event loop.
 """
@@ -43,6 +44,8 @@ class ShimStats:
     # fault kind -> injected into a streaming call (its body asks for "stream": true)
     stream_faults: Counter = field(default_factory=Counter)
     auth_headers: list[str | None] = field(default_factory=list)  # per forwarded call
+    # (path, request body, vLLM's answer) per relayed call, with record=True
+    relayed: list[tuple[str, bytes, bytes]] = field(default_factory=list)
 
 
 class FaultShim:
@@ -56,9 +59,11 @@ class FaultShim:
         delay_s: float = 3.0,
         seed: int = 0,
         only_streams: bool = False,
+        record: bool = False,
     ) -> None:
         """`rate`: the share of calls to `paths` that get one of `faults` (drawn with
-        `seed`); `only_streams`: only calls whose body asks for a stream."""
+        `seed`); `only_streams`: only calls whose body asks for a stream; `record`: keep
+        every relayed call in `stats.relayed`."""
         unknown = set(faults) - set(FAULTS)
         if unknown:
             raise ValueError(f"Unknown faults: {sorted(unknown)}; valid: {FAULTS}")
@@ -68,6 +73,7 @@ class FaultShim:
         self.paths = paths
         self.delay_s = delay_s
         self.only_streams = only_streams
+        self.record = record
         self.stats = ShimStats()
         self._rng = random.Random(seed)
         self._loop = asyncio.new_event_loop()
@@ -174,6 +180,8 @@ class FaultShim:
             if streaming and b"\n\n" in content[:cut]:
                 cut = content.rfind(b"\n\n", 0, cut) + 2
             content = content[:cut]
+        if self.record and fault is None:
+            self.stats.relayed.append((route, body, content))
         content_type = response.headers.get("content-type", "application/json")
         await _write_response(writer, response.status_code, content, content_type)
         return True

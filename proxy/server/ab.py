@@ -242,6 +242,9 @@ class AB:
             if response.status_code == 200:
                 ids = _StreamIds(asked, queue, self._hooks)
                 response.body_iterator = ids.relay(response.body_iterator)
+                if not asked:  # ids set to null: a length the upstream declared is wrong
+                    response.raw_headers = [(name, value) for name, value in response.raw_headers
+                                            if name != b"content-length"]  # fmt: skip
             return self.watch(response, timing, _TokenCounter(timing, True))
         chunks = [chunk async for chunk in response.body_iterator]
         content = b"".join(chunks)
