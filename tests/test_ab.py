@@ -28,7 +28,7 @@ from scipy.stats import binom, mannwhitneyu
 from proxy.ab import report
 from proxy.ab.measure import ABMetrics, RequestRecord, RequestTiming, speculative_decoding
 from proxy.ab.settings import ABSettings, split_drafter_specs
-from proxy.ab.shadow import Emulated, Pricing, Shadow, ShadowJob, committed_by_size, replay
+from proxy.ab.shadow import Emulated, Pricing, Replay, Shadow, ShadowJob, committed_by_size, replay
 from proxy.ab.split import Split, key_point
 from proxy.adaptive.estimates import Calibration
 from proxy.adaptive.policy import Policy, target_tokens_along
@@ -220,7 +220,7 @@ def test_the_verdict_names_the_best_predicted_shadow_pair():
              "cost_source": "ddtree arm's rounds"}
             for b, tau, ratio, share, nodes in ((4, 2.0, 1.1, 0.6, 3.5), (16, 2.6, 0.9, 0.25, 12.0))]  # fmt: skip
     built = report.build(arms, arms, uptime_s=1, window_s=1, split=0.5, shadow=rows, shadow_dropped=3)
-    assert built["verdict"].endswith("shadow: ngram B=4 predicted best (1.10x direct's decode rate, "
+    assert built["verdict"].endswith("shadow: ngram B=4 predicted best (1.10x direct's tokens/s per request, "
                                      "60% of tokens speculated; tau 2.00)")  # fmt: skip
     assert "| ngram | 16 | 9 | 30 | 2.600 | 0.9x | 25% | 12.0 | ddtree arm's rounds |" in report.format_report(built)
     unpredicted = [row | {"predicted_ratio": None, "speculated_share": None} for row in rows]
@@ -415,10 +415,10 @@ def test_priced_replays_emulate_the_policys_choice():
 
         return Pricing(seconds, token_seconds=0.1)
 
-    def emulated(pricing: Pricing) -> Emulated:
+    def emulated(pricing: Pricing, first_token_s: float | None = None) -> Emulated:
         replayed = run(replay(drafter, prompt, output, budget=4, max_depth=4, max_tokens=4,
                               max_model_len=512, pricing=pricing,
-                              calibration=Calibration(lambda: 0.0)))  # fmt: skip
+                              calibration=Calibration(lambda: 0.0), first_token_s=first_token_s))  # fmt: skip
         assert replayed.acceptance_lengths == [4]  # pricing changes no replayed round
         return replayed.emulated
 
@@ -432,6 +432,9 @@ def test_priced_replays_emulate_the_policys_choice():
     # A round of 1 s loses to 100 ms a token: plain, 4 tokens in 0.4 s.
     slow = emulated(priced(1.0))
     assert (slow.tokens, slow.seconds, slow.speculated_rounds) == (4, 0.4, 0)
+    # A direct first token of 350 ms took 250 ms more than a plain token: the prompt's.
+    assert emulated(priced(1.0), first_token_s=0.35).seconds == pytest.approx(0.65)
+    assert emulated(priced(0.001), first_token_s=0.05).seconds == 0.001
 
     async def served(pricing: Pricing | None):
         shadow = Shadow({"ngram": drafter}, (4,), None, max_queue=2, max_model_len=512,
@@ -446,6 +449,21 @@ def test_priced_replays_emulate_the_policys_choice():
     assert (row["priced_rounds"], row["predicted_tokens_per_s"], row["speculated_share"]) == (1, 4000.0, 1.0)
     (row,) = run(served(priced(1.0)))
     assert (row["predicted_tokens_per_s"], row["speculated_share"], row["speculated_nodes"]) == (10.0, 0.0, None)
+
+
+def test_the_prediction_is_the_median_requests_rate():
+    """A row predicts the report's statistic: the median of the replayed requests'
+    emulated tokens/s (not all tokens over all seconds, which the slow requests
+    dominate); a replay that was not priced has no rate."""
+    shadow = Shadow({"ngram": load_drafter("ngram", None)}, (4,), None, max_queue=1,
+                    max_model_len=512)  # fmt: skip
+    totals = shadow.totals["ngram", 4]
+    for tokens, seconds in ((64, 1.0), (64, 4.0), (64, 8.0), (0, 0.0)):
+        totals.add(Replay([1] * tokens, emulated=Emulated(rounds=tokens, tokens=tokens, seconds=seconds)))
+    (row,) = shadow.table()
+    assert list(totals.rates) == [64.0, 16.0, 8.0]
+    assert row["predicted_tokens_per_s"] == 16.0  # all tokens over all seconds: 14.8
+    assert row["requests"] == 4 and row["priced_rounds"] == 192
 
 
 @hypothesis_settings(max_examples=100, deadline=None)
@@ -737,6 +755,26 @@ def test_a_replay_runs_to_the_limit_the_request_had(endpoint, fields, max_tokens
     assert (job.prompt_ids, job.output_ids, job.max_tokens) == ([1, 2, 3], [7, 8, 9], max_tokens)
 
 
+def test_a_streamed_answers_replay_carries_its_time_to_first_token():
+    """The emulation adds what a direct answer's first token took for its prompt: known
+    where it streamed (its first event), not for a JSON answer (all at once)."""
+    events = [b'data: {"choices":[{"text":"a","token_ids":[7]}],"prompt_token_ids":[1,2,3]}\n\n',
+              b'data: {"choices":[{"text":"b","token_ids":[8]}]}\n\ndata: [DONE]\n\n']  # fmt: skip
+
+    async def scenario() -> list[ShadowJob]:
+        ab = _direct_ab()
+        await ab.start(_RUNTIME, CollectorRegistry())
+        await _served(ab, {"prompt": "x", "max_tokens": 2, "stream": True}, events)
+        await _served(ab, {"prompt": "x", "max_tokens": 3}, [_VLLM_JSON])
+        jobs = [ab.shadow.queue.get_nowait() for _ in range(2)]
+        await ab.stop()
+        return jobs
+
+    streamed, answered = run(scenario())
+    assert streamed.output_ids == [7, 8] and 0 <= streamed.first_token_s < 5
+    assert answered.output_ids == [7, 8, 9] and answered.first_token_s is None
+
+
 def _finish(ab: AB, clock: Clock, arm: str, seconds: float) -> None:
     timing = RequestTiming(arm, clock)
     clock.now += seconds
@@ -898,6 +936,8 @@ def test_shadow_predictions_use_a_replicas_fit_when_there_are_several():
     assert all(row["predicted_ratio"] is None for row in before)
     assert {row["cost_source"] for row in after} == {"ddtree arm's rounds (replica http://b:8000)"}
     assert all(row["predicted_ratio"] > 0 and row["priced_rounds"] > 0 for row in after)
+    # over the direct arm's median tokens/s per request: 8 tokens in 80 ms
+    assert all(row["predicted_ratio"] == round(row["predicted_tokens_per_s"] / 100, 3) for row in after)
     assert all(row["rounds"] > row["priced_rounds"] for row in after)  # the first job's were not
 
 

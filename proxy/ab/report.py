@@ -156,7 +156,7 @@ def verdict(since_start: dict[str, Any], shadow: list[dict[str, Any]]) -> str:
     if predicted:
         best = max(predicted, key=lambda row: row["predicted_ratio"])
         line += (f"; shadow: {best['drafter']} B={best['budget']} predicted best "
-                 f"({best['predicted_ratio']:.2f}x direct's decode rate, "
+                 f"({best['predicted_ratio']:.2f}x direct's tokens/s per request, "
                  f"{best['speculated_share']:.0%} of tokens speculated; tau {best['tau']:.2f})")  # fmt: skip
     elif replayed:
         best = max(replayed, key=lambda row: row["tau"])

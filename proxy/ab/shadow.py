@@ -31,11 +31,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import numpy as np
 
+from proxy.ab.measure import MAX_RECORDS
 from proxy.adaptive.estimates import Calibration, LinearCost
 from proxy.adaptive.policy import target_tokens_along
 from proxy.backend.base import SessionOptions, Target, TargetError
@@ -98,11 +100,15 @@ async def replay(
     max_model_len: int,
     pricing: Pricing | None = None,
     calibration: Calibration | None = None,
+    first_token_s: float | None = None,
 ) -> Replay:
     """The rounds a DDTree run of `drafter` at `budget` would have had on this output
     (the loop's depth rule: at most `max_depth`, never past `max_tokens` or the
     context). With `pricing` and `calibration`, each round also emulates the adaptive
-    policy's choice (`_emulate`), and the calibration learns from the round's walk."""
+    policy's choice (`_emulate`), and the calibration learns from the round's walk; the
+    emulated seconds then include what the direct answer's first token took beyond one
+    plain token (`first_token_s`, where known: the prompt's prefill and any queueing,
+    the same work in either arm and not in the fitted call)."""
     session = drafter.start(list(prompt_ids), None)
     committed = list(prompt_ids)
     out = Replay()
@@ -130,6 +136,8 @@ async def replay(
         # An in-process drafter, the walk and the bookkeeping never wait on anything:
         # without this a whole replay would hold the event loop, and every request with it.
         await asyncio.sleep(0)
+    if pricing is not None and first_token_s is not None and out.emulated.rounds:
+        out.emulated.seconds += max(0.0, first_token_s - pricing.token_seconds)
     return out
 
 
@@ -186,17 +194,22 @@ class ShadowJob:
     prompt_ids: list[int]
     output_ids: list[int]
     max_tokens: int  # the request's limit (the loop's depth rule depends on it)
+    # The direct answer's time to its first token where it streamed (a JSON answer's
+    # first token is its whole answer): what the emulation adds for the prompt.
+    first_token_s: float | None = None
 
 
 @dataclass
 class ShadowTotals:
-    """One drafter x budget's replays, summed."""
+    """One drafter x budget's replays, summed, and the latest priced replays' predicted
+    tokens/s, one per request."""
 
     requests: int = 0
     rounds: int = 0
     tokens: int = 0  # summed acceptance lengths
     draft_calls: int = 0
     emulated: Emulated = field(default_factory=Emulated)
+    rates: deque[float] = field(default_factory=lambda: deque(maxlen=MAX_RECORDS))
 
     @property
     def tau(self) -> float:
@@ -207,7 +220,10 @@ class ShadowTotals:
         self.rounds += len(replayed.acceptance_lengths)
         self.tokens += sum(replayed.acceptance_lengths)
         self.draft_calls += replayed.draft_calls
-        self.emulated.add(replayed.emulated)
+        emulated = replayed.emulated
+        self.emulated.add(emulated)
+        if emulated.seconds > 0:
+            self.rates.append(emulated.tokens / emulated.seconds)
 
 
 class Prober:
@@ -336,6 +352,7 @@ class Shadow:
                     max_depth=self.max_depths[name], max_tokens=job.max_tokens,
                     max_model_len=self.max_model_len, pricing=pricing,
                     calibration=self.calibrations[name, budget],
+                    first_token_s=job.first_token_s,
                 )  # fmt: skip
                 self.totals[name, budget].add(replayed)
                 if replayed.sample is not None:
@@ -345,9 +362,10 @@ class Shadow:
 
     def table(self) -> list[dict]:
         """One row per drafter x budget: its replays' tau, and where rounds were priced
-        (`Pricing`), the adaptive policy emulated on them (`_emulate`): predicted
-        tokens per second, the share of tokens it would have speculated, and the mean
-        nodes of its speculated rounds."""
+        (`Pricing`), the adaptive policy emulated on them (`_emulate`): the median
+        request's predicted tokens per second (the statistic the report compares the
+        arms by), the share of tokens it would have speculated, and the mean nodes of
+        its speculated rounds."""
         rows = []
         for (name, budget), t in self.totals.items():
             e = t.emulated
@@ -355,8 +373,9 @@ class Shadow:
                    "tau": round(t.tau, 4), "draft_calls": t.draft_calls,
                    "priced_rounds": e.rounds, "predicted_tokens_per_s": None,
                    "speculated_share": None, "speculated_nodes": None}  # fmt: skip
+            if t.rates:
+                row["predicted_tokens_per_s"] = round(float(np.median(t.rates)), 2)
             if e.seconds > 0:
-                row["predicted_tokens_per_s"] = round(e.tokens / e.seconds, 2)
                 row["speculated_share"] = round(e.speculated_tokens / e.tokens, 3)
             if e.speculated_rounds:
                 row["speculated_nodes"] = round(e.speculated_nodes / e.speculated_rounds, 2)

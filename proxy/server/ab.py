@@ -235,7 +235,9 @@ class AB:
         asked = body.get("return_token_ids") is True
 
         def queue(prompt_ids: list[int], output_ids: list[int]) -> None:
-            self._queue_replay(prompt_ids, output_ids, body, endpoint, runtime)
+            first = timing.first if stream else None  # a JSON answer's is its whole time
+            first_token_s = None if first is None else first - timing.start
+            self._queue_replay(prompt_ids, output_ids, body, endpoint, runtime, first_token_s)
 
         response = await relay(body | {"return_token_ids": True})
         if stream:
@@ -264,16 +266,18 @@ class AB:
         body: dict[str, Any],
         endpoint: Endpoint,
         runtime: Runtime,
+        first_token_s: float | None,
     ) -> None:
         """Queue a replay run to the output limit the request had (what DDTree would have
-        run to: the loop's depth rule depends on it)."""
+        run to: the loop's depth rule depends on it), with the answer's time to its first
+        token where it streamed."""
         assert self.shadow is not None
         if not prompt_ids or not output_ids:
             return
         requested, _ = requested_max_tokens(REQUEST_MODELS[endpoint].parse(body))
         room = runtime.max_model_len - len(prompt_ids)
         max_tokens = max_tokens_in_force(requested, room, runtime.generation_defaults)
-        self.shadow.offer(ShadowJob(list(prompt_ids), list(output_ids), max_tokens))
+        self.shadow.offer(ShadowJob(list(prompt_ids), list(output_ids), max_tokens, first_token_s))
 
     # ----- the report and the guardrail -------------------------------------------
 
@@ -343,17 +347,18 @@ class AB:
         return Pricing(round_seconds, itl)
 
     def _shadow_table(self, direct: list[RequestRecord]) -> list[dict[str, Any]]:
-        """The shadow's rows, each with its predicted tokens/s over the direct arm's
-        decode rate (1 / median inter-token latency) and where the cost came from."""
+        """The shadow's rows, each with its median predicted tokens/s per request over
+        the direct arm's median (`direct`: the report's ratio of medians, predicted) and
+        where the cost came from."""
         assert self.shadow is not None
         _, _, source = self._cost()
-        itl = self._direct_itl(direct)
-        if itl is None:
+        median = float(np.median([r.tokens_per_s for r in direct])) if direct else None
+        if median is None:
             source = "none: no direct answers"
         rows = []
         for row in self.shadow.table():
             rate = row["predicted_tokens_per_s"]
-            ratio = None if rate is None or itl is None else round(rate * itl, 3)
+            ratio = None if rate is None or median is None else round(rate / median, 3)
             rows.append(row | {"predicted_ratio": ratio, "cost_source": source})
         return rows
 
