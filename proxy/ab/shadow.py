@@ -39,7 +39,7 @@ import numpy as np
 
 from proxy.ab.measure import MAX_RECORDS
 from proxy.adaptive.estimates import Calibration, LinearCost
-from proxy.adaptive.policy import target_tokens_along
+from proxy.adaptive.policy import RoundCost, round_estimates, target_tokens_along
 from proxy.backend.base import SessionOptions, Target, TargetError
 from proxy.decoding import TreeSettings, resolve_depth
 from proxy.drafter.base import Drafter
@@ -47,9 +47,6 @@ from proxy.round import RoundShape, draft
 from proxy.tree import DraftTree, walk
 
 logger = logging.getLogger("ddtree_proxy.shadow")
-# (prompts per round, tokens computed per round) -> predicted seconds of a round, for
-# arrays of both (one entry per tree size)
-RoundCost = Callable[[np.ndarray, np.ndarray], np.ndarray]
 
 
 @dataclass(frozen=True)
@@ -155,10 +152,7 @@ def _emulate(
     plain decoding's, and then commits what its first n nodes really accept; otherwise
     the round's tokens come plainly, at the direct arm's inter-token latency. Adds the
     round to `out`; returns the context the next round's prompts leave unprocessed."""
-    expected = 1.0 + np.concatenate([[0.0], np.cumsum(calibration.acceptance(tree))])
-    num_prompts = np.arange(1, tree.num_nodes + 2)
-    computed = num_prompts * unseen + np.cumsum(tree.depths)
-    seconds = np.asarray(pricing.round_seconds(num_prompts, computed), dtype=np.float64)
+    expected, seconds = round_estimates(tree, calibration, unseen, pricing.round_seconds)
     with np.errstate(divide="ignore"):
         rates = np.where(seconds > 0, expected / seconds, np.inf)
     best = int(np.argmax(rates))

@@ -167,11 +167,12 @@ class Policy:
         """[num_nodes + 1] predicted tokens per second of a round verifying the first n
         nodes, n = 0 .. num_nodes (`unseen_tokens`: context per prompt the target has
         not processed)."""
-        tokens = 1.0 + np.concatenate([[0.0], np.cumsum(self.calibration.acceptance(tree))])
-        num_prompts = np.arange(1, tree.num_nodes + 2)
-        path_tokens = np.concatenate([[0], np.cumsum(tree.depths[1:])])
-        seconds = self.calls.seconds(num_prompts, num_prompts * unseen_tokens + path_tokens)
-        seconds = seconds + (self.overhead.ratio() or 0.0)
+        overhead = self.overhead.ratio() or 0.0
+
+        def round_seconds(num_prompts: np.ndarray, computed_tokens: np.ndarray) -> np.ndarray:
+            return self.calls.seconds(num_prompts, computed_tokens) + overhead
+
+        tokens, seconds = round_estimates(tree, self.calibration, unseen_tokens, round_seconds)
         with np.errstate(divide="ignore"):
             return np.where(seconds > 0, tokens / seconds, np.inf)
 
@@ -347,6 +348,25 @@ class RequestPolicy:
             result = walk(shadow.tree, target_tokens_along(shadow.tree, actual))
             self.policy.calibration.observe(shadow.tree, result.accepted_nodes)
         self._shadows = waiting
+
+
+# (prompts per round, tokens computed per round) -> predicted seconds of a round, for
+# arrays of both (one entry per tree size)
+RoundCost = Callable[[np.ndarray, np.ndarray], np.ndarray]
+
+
+def round_estimates(
+    tree: DraftTree, calibration: Calibration, unseen_tokens: int, round_seconds: RoundCost
+) -> tuple[np.ndarray, np.ndarray]:
+    """[num_nodes + 1] expected tokens (calibrated acceptance + the bonus) and predicted
+    seconds of a round verifying the first n nodes, n = 0 .. num_nodes: n + 1 prompts,
+    each computing the `unseen_tokens` of context the target has not processed plus its
+    path."""
+    tokens = 1.0 + np.concatenate([[0.0], np.cumsum(calibration.acceptance(tree))])
+    num_prompts = np.arange(1, tree.num_nodes + 2)
+    path_tokens = np.concatenate([[0], np.cumsum(tree.depths[1:])])
+    seconds = round_seconds(num_prompts, num_prompts * unseen_tokens + path_tokens)
+    return tokens, np.asarray(seconds, dtype=np.float64)
 
 
 def target_tokens_along(tree: DraftTree, actual: Sequence[int]) -> np.ndarray:
