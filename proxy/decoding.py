@@ -226,6 +226,7 @@ async def stream_generate(
         want_logprobs=request.logprobs,
         strategy=request.strategy,
         stop_token_ids=request.stop_token_ids,
+        stop_at_eos=not request.ignore_eos,
         sampling_fields=request.sampling_fields,
     )
     session = await target.start(request.prompt_ids, options)

@@ -15,6 +15,7 @@ import pytest
 from conftest import run
 from metrics import scrape
 from scipy.stats import chi2_contingency
+from tcp_relay import TcpRelay
 
 from proxy.adaptive.policy import Plain, Policy, Speculate
 from proxy.backend.vllm import VLLMTarget
@@ -55,6 +56,24 @@ class Scripted(Policy):
     def request(self, *, can_plain: bool, seeded: bool, client_streams: bool, replica=None):
         assert can_plain
         return ScriptedRequest(*self.script)
+
+
+class PlainOnly(Policy):
+    """Every step a plain stream of `chunk` tokens."""
+
+    def __init__(self, chunk: int):
+        super().__init__()
+        self.chunk = chunk
+
+    def request(self, *, can_plain: bool, seeded: bool, client_streams: bool, replica=None):
+        assert can_plain
+        return self
+
+    def decide(self, tree, *, position: int, unseen_tokens: int, remaining: int):
+        return Plain(min(self.chunk, remaining), True, None, "scripted")
+
+    def record(self, outcome) -> None:
+        return None
 
 
 def _drafter(name: str, model_dir) -> object:
@@ -159,6 +178,47 @@ def test_unseeded_sampling_with_switches_matches_vllm(vllm_server):
             assert len(table[0]) >= 3, "too few categories for a meaningful test"
             p_value = chi2_contingency(table).pvalue
             assert p_value > 0.001, (plain_first, name, p_value, table)
+
+
+def test_plain_streams_end_whole_and_reuse_their_connection(vllm_server):
+    """Plain streams of 5 tokens, many per request: each is read to vLLM's end, so the
+    proxy's pooled connection serves them all (a stream closed unread costs a new
+    connection on both sides), and a stream that reaches an EOS token ends there in vLLM
+    too (the call stops at the output's stop tokens) instead of being cut off. The EOS
+    is chosen from vLLM's own greedy output, so one request ends at it."""
+    prompts = [[5 + (i * 23 + j * 13) % 240 for j in range(15 + 7 * i)] for i in range(4)]
+    max_tokens = 30
+    full = vllm_server.complete_greedy(prompts, max_tokens)
+    eos = full[0][17]
+    expected = [out[: out.index(eos) + 1] if eos in out else out for out in full]
+    assert len(expected[0]) <= 18 and any(len(out) == max_tokens for out in expected)
+    drafter = _drafter("ngram", vllm_server.model_dir)
+    state = PlainOnly(chunk=5)
+
+    async def body(url: str):
+        target = await VLLMTarget.connect(
+            url, model_dir=vllm_server.model_dir, eos_token_ids=[eos]
+        )
+        try:
+            results = [
+                await generate(
+                    target, drafter, GenerationRequest(p, max_tokens, stream=True),
+                    _detokenize, state,
+                )  # fmt: skip
+                for p in prompts
+            ]
+            return results, target.http.num_calls["/v1/completions"]
+        finally:
+            await target.aclose()
+
+    with TcpRelay(vllm_server.url) as relay:
+        results, calls = run(body(relay.url))
+        connections = relay.connections
+    assert [r.token_ids for r in results] == expected
+    assert all(r.stats.plain_tokens == len(r.token_ids) for r in results)
+    assert calls >= sum(-(-len(out) // 5) for out in expected)  # a call per 5 tokens
+    # /v1/models on the JSON client's connection, every stream on the stream client's.
+    assert connections <= 2, (connections, calls)
 
 
 def _pooled_table(ours: Counter, theirs: Counter, min_count: int = 10) -> list[list[int]]:

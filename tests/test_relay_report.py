@@ -21,7 +21,7 @@ def test_ratios_are_medians_of_within_repetition_ratios():
         "passthrough": [_run(90), _run(9), _run(99)],
         "default": [_run(81), _run(8.1), _run(89.1, steps=300, calls=4, cpu=1.25)],
     }
-    rows = {row["config"]: row for row in summarize({"client": "stream", "prompts": "random"}, runs)}
+    rows = {row["config"]: row for row in summarize({"clients": 4, "client": "stream", "prompts": "random"}, runs)}
     assert set(rows) == set(CONFIGS)
     assert rows["direct"]["tokens_per_s"] == 100 and rows["direct"]["vs_direct"] == 1
     assert rows["default"]["vs_passthrough"] == pytest.approx(0.9)
@@ -34,7 +34,7 @@ def test_ratios_are_medians_of_within_repetition_ratios():
     # Every repetition's ratio is the same, so the intervals have no width.
     assert rows["default"]["vs_passthrough_interval"] == pytest.approx((0.9, 0.9))
     assert (
-        "| stream | random | default | 81.0 | 0.81 [0.81, 0.81] | 0.90 [0.90, 0.90] | 100-300 "
+        "| 4 | stream | random | default | 81.0 | 0.81 [0.81, 0.81] | 0.90 [0.90, 0.90] | 100-300 "
         "| 0-4 | 0.50-1.25 |"
     ) in table
     assert "vllm bench serve" not in table

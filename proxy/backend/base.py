@@ -73,6 +73,9 @@ class SessionOptions:
     # token), but a remote target sends them along so that its server judges them as it
     # would judge the client's own request (vLLM refuses out-of-vocabulary ids).
     stop_token_ids: tuple[int, ...] = ()
+    # The output ends at the target's EOS (the client did not ask to ignore it): a plain
+    # call may stop there too instead of generating on until the proxy closes it.
+    stop_at_eos: bool = False
     # A remote target's sampling fields: exactly the ones the client set (vLLM's names),
     # so that its server applies its own defaults to the rest, as for a direct request;
     # None: `sampling` is the whole rule, sent in full with neutral penalties.

@@ -211,7 +211,10 @@ class VLLMHttp:
         """POST a streaming request; yield each server-sent event's JSON until [DONE].
         Opening the stream is retried like `request_json`; a failure after the first
         event is raised as it is (the caller holds what already arrived), and a stream
-        that ends without [DONE] is one: its connection closed before vLLM finished."""
+        that ends without [DONE] is one: its connection closed before vLLM finished.
+        After [DONE] the body is read to its end (the chunked terminator), so that the
+        connection goes back to the pool: one closed unread is dropped, and the next
+        stream pays a new connection on both sides."""
         self.num_calls[path] += 1
         where = f"vLLM POST {self.base_url}{path}"
         attempts = self.retry.max_retries + 1
@@ -238,18 +241,21 @@ class VLLMHttp:
                 if self.on_retry is not None:
                     self.on_retry(exc.kind)
                 await asyncio.sleep(self.retry.delay(attempt, self._rng))
+        done = False
         try:
             async for line in response.aiter_lines():
-                if not line.startswith("data: "):
+                if done or not line.startswith("data: "):
                     continue
                 data = line[len("data: ") :]
                 if data == "[DONE]":
-                    return
+                    done = True
+                    continue
                 try:
                     yield json.loads(data)
                 except json.JSONDecodeError as exc:
                     raise TargetError(f"{where} sent malformed JSON: {data[:200]!r}") from exc
-            raise TargetError(f"{where}: the stream ended without [DONE]", "network")
+            if not done:
+                raise TargetError(f"{where}: the stream ended without [DONE]", "network")
         except httpx.HTTPError as exc:
             raise transport_failure(where, exc) from exc
         finally:
@@ -454,6 +460,7 @@ class VLLMSession:
         self.want_logprobs = options.want_logprobs
         self.strategy: Strategy = options.strategy or DEFAULT_STRATEGY
         self.stop_token_ids = [int(t) for t in options.stop_token_ids]
+        self.stop_at_eos = options.stop_at_eos
         self.sampling_fields = options.sampling_fields
         self.counters = TargetCounters()
         self.prompt_features = None
@@ -596,10 +603,15 @@ class VLLMSession:
         `committed`; yields (token ids, their log-probs or None) as they come -- streamed,
         or with `stream` False as one answer (one call, retried like a verification:
         nothing of a failed call was used). Closing a stream early closes it, and vLLM
-        aborts the request. EOS is ignored here: the output processor decides where the
-        output stops. The client's seed is vLLM's own, so a request that is plain from
+        aborts the request. vLLM's own EOS is ignored: the output processor decides
+        where the output stops, and the call stops at the same tokens. The client's seed is vLLM's own, so a request that is plain from
         its first token draws exactly what vLLM alone would."""
         body = self._body([int(t) for t in committed], max_tokens)
+        if self.stop_at_eos:
+            # A stream that ends where the output does finishes whole (no abort, and its
+            # connection is pooled) instead of generating on until the proxy closes it.
+            stops = self.stop_token_ids + list(self.target.eos_token_ids)
+            body["stop_token_ids"] = list(dict.fromkeys(stops))
         if self.params.seed is not None:
             body["seed"] = self.params.seed
         self.counters.upstream_calls += 1
@@ -615,12 +627,20 @@ class VLLMSession:
         body["stream"] = True
         events = self.target.http.stream_events("/v1/completions", body, self.headers)
         started = False
+        last: tuple[list[int], list[float] | None] | None = None
         try:
             async for event in events:
                 tokens, logprobs = self._plain_choice(event)
                 if tokens:
                     started = True
+                    if event["choices"][0].get("finish_reason") is not None:
+                        # The stream's last tokens wait for its end: a caller that stops
+                        # on them would otherwise close the stream unread.
+                        last = tokens, logprobs
+                        continue
                     yield tokens, logprobs
+            if last is not None:
+                yield last
         except TargetError as exc:
             if started and self.params.seed is not None:
                 raise PlainStreamLost(
