@@ -121,6 +121,8 @@ class ServerMetrics:
             "Adaptive policy switches, by direction (to_plain, to_speculation)",
             "direction",
         )
+        self._to_plain = self.switches.labels("to_plain")
+        self._to_speculation = self.switches.labels("to_speculation")
         self.tree_nodes = Histogram(
             "ddtree_tree_nodes",
             "Per round: tree nodes verified (the adaptive policy's choice, up to the budget)",
@@ -135,13 +137,17 @@ class ServerMetrics:
         )
 
     def observe(self, stats: RoundStats, num_tokens: int) -> None:
-        """One step of a generation: a verified round, or a piece of plain generation."""
+        """One step of a generation: a verified round, or a piece of plain generation
+        (one per streamed event: only what changed is touched)."""
         self.generated_tokens.inc(num_tokens)
-        self.switches.labels("to_plain").inc(stats.switches_to_plain)
-        self.switches.labels("to_speculation").inc(stats.switches_to_speculation)
+        if stats.switches_to_plain:
+            self._to_plain.inc(stats.switches_to_plain)
+        if stats.switches_to_speculation:
+            self._to_speculation.inc(stats.switches_to_speculation)
         if stats.kind == "plain":
             self.plain_tokens.inc(stats.num_tokens)
-            self.plain_streams.inc(stats.upstream_calls)
+            if stats.upstream_calls:
+                self.plain_streams.inc(stats.upstream_calls)
             return
         self.upstream_calls.inc(stats.upstream_calls)
         self.rounds.inc()

@@ -20,6 +20,7 @@ If the target says 'a' at the root, 'c' at node 1 and 'z' at node 3, the walk go
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -78,8 +79,9 @@ class DraftTree:
         """Drafted nodes, the root excluded."""
         return int(self.token_ids.shape[0]) - 1
 
-    @property
+    @functools.cached_property
     def max_depth(self) -> int:
+        # Cached: a plain stream's shadows ask for it on every event.
         return int(self.depths.max())
 
     def prefix(self, num_nodes: int) -> DraftTree:
