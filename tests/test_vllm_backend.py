@@ -553,6 +553,35 @@ def test_respx_a_plain_stream_broken_after_its_first_tokens(body, kind, seed):
     assert ("without [DONE]" if kind == "network" else "malformed JSON") in str(failure.value)
 
 
+def test_respx_a_plain_stream_whose_connection_breaks_after_done_has_ended():
+    """Every event and [DONE] came, then the connection broke before the body's end (the
+    stream is read to its end so that its connection can be pooled): the stream ended,
+    with every token and no failure."""
+
+    async def stream():
+        yield (_event(11) + _event(12) + "data: [DONE]\n\n").encode()
+        raise httpx.ReadError("connection reset")
+
+    async def scenario() -> list[int]:
+        got: list[int] = []
+        with respx.mock(base_url=URL, assert_all_called=True) as mock:
+            mock.post("/v1/completions").mock(
+                side_effect=lambda request: httpx.Response(
+                    200, content=stream(), headers={"content-type": "text/event-stream"}
+                )
+            )
+            target = VLLMTarget(VLLMHttp(URL, retry=RetryPolicy(max_retries=0)), "m", 2048, (0,))
+            session = await target.start(COMMITTED, SessionOptions(SamplingParams(seed=5)))
+            try:
+                async for tokens, _ in session.plain(COMMITTED, 8):
+                    got.extend(tokens)
+            finally:
+                await target.aclose()
+        return got
+
+    assert run(scenario()) == [11, 12]
+
+
 def test_respx_models_listing_and_api_key():
     with respx.mock(base_url=URL, assert_all_called=True) as mock:
         route = mock.get("/v1/models").mock(

@@ -257,6 +257,8 @@ class VLLMHttp:
             if not done:
                 raise TargetError(f"{where}: the stream ended without [DONE]", "network")
         except httpx.HTTPError as exc:
+            if done:
+                return  # every event came; the body's end did not (the connection is dropped)
             raise transport_failure(where, exc) from exc
         finally:
             await response.aclose()
