@@ -138,6 +138,19 @@ def test_a_cold_start_is_plain_and_seeded_requests_stay_plain():
     assert seeded == Plain(64, False, None, "seeded")
 
 
+def test_while_the_first_round_is_in_flight_other_requests_stay_plain():
+    clock = Clock()
+    policy = Policy(clock=clock)
+    request = policy.request(can_plain=True, seeded=False, client_streams=True)
+    request.record(PlainTokens([0] * 64, 64, 64 * 0.02, ended=True))  # plain measured
+    probe = decide(policy)
+    assert probe.reason == "remeasure_speculation"
+    # Three more requests decide before that round comes back: no call has been timed,
+    # so speculation's cost is unknown, not zero.
+    others = [decide(policy) for _ in range(3)]
+    assert all(isinstance(d, Plain) and d.reason == "speculation_unmeasured" for d in others)
+
+
 def test_speculates_where_rounds_pay_and_steps_aside_where_they_do_not():
     clock = Clock()
     fast = Policy(clock=clock)  # rounds of 3-4 sure tokens at ~2 steps' cost

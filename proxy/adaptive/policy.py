@@ -288,6 +288,10 @@ class RequestPolicy:
         if self.side == "speculate" and policy.claim("plain"):
             plain = Plain(min(SHADOW_EVERY, remaining), True, None, "remeasure_plain")
             return plain, ages
+        if policy.calls.num_rows == 0:
+            # Another request's round is measuring speculation; with no call timed yet
+            # a round's predicted cost is zero (an infinite rate), so nothing to compare.
+            return self._plain(remaining, "speculation_unmeasured"), ages
         rates = policy.round_rates(tree, unseen_tokens)
         best = int(np.argmax(rates))
         spec_rate = float(rates[best])
