@@ -606,8 +606,9 @@ class VLLMSession:
         or with `stream` False as one answer (one call, retried like a verification:
         nothing of a failed call was used). Closing a stream early closes it, and vLLM
         aborts the request. vLLM's own EOS is ignored: the output processor decides
-        where the output stops, and the call stops at the same tokens. The client's seed is vLLM's own, so a request that is plain from
-        its first token draws exactly what vLLM alone would."""
+        where the output stops, and the call stops at the same tokens. The client's
+        seed is vLLM's own, so a request that is plain from its first token draws
+        exactly what vLLM alone would."""
         body = self._body([int(t) for t in committed], max_tokens)
         if self.stop_at_eos:
             # A stream that ends where the output does finishes whole (no abort, and its
