@@ -359,6 +359,8 @@ def test_in_front_of_a_real_vllm_the_answers_are_vllms_own(vllm_server):
         assert httpx.get(f"{sim.url}/health").status_code == 200
     assert choice_tokens(batch) == choice_tokens(direct)
     assert [t for event in events for t in event["choices"][0]["token_ids"]] == stream_direct
-    assert (stats["answers"], stats["tokens"]) == (1, 8)
+    # One release per event with tokens: vLLM puts several tokens in one event when busy.
+    released = [event for event in events if event["choices"][0]["token_ids"]]
+    assert (stats["answers"], stats["tokens"]) == (1, len(released))
     # The two later nodes read the first's three blocks; the stream reads them again.
     assert stats["prefix_hit_tokens"] == 3 * 3 * BLOCK_SIZE

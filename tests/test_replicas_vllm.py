@@ -268,8 +268,10 @@ def test_sigkill_of_a_replica_during_concurrent_streams(vllm_server, replica_b, 
             await asyncio.to_thread(b.kill)
             return await asyncio.gather(*tasks)
 
-    results = asyncio.run(streams_and_kill())
     try:
+        # Inside the try: B is killed in there, and must come back for the tests after
+        # this one even if a stream fails.
+        results = asyncio.run(streams_and_kill())
         for idx, (result, expected) in enumerate(zip(results, reference, strict=True)):
             events = result["events"]
             errors = [event for event in events if isinstance(event, dict) and "error" in event]

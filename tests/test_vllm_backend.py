@@ -582,6 +582,36 @@ def test_respx_a_plain_stream_whose_connection_breaks_after_done_has_ended():
     assert run(scenario()) == [11, 12]
 
 
+def test_a_connection_closed_as_it_opened_is_a_network_failure():
+    """On uvloop, httpcore's first look at a new connection that the server has already
+    closed raises AttributeError from anyio (seen connecting to a SIGKILLed vLLM): both
+    calls and streams report it as a retriable network failure, not a crash (a 500)."""
+    attempts: list[str] = []
+
+    def closed(request: httpx.Request) -> httpx.Response:
+        attempts.append(request.url.path)
+        raise AttributeError("'NoneType' object has no attribute 'getpeername'")
+
+    async def scenario() -> list[TargetError]:
+        http = VLLMHttp(URL, retry=RetryPolicy(max_retries=1, backoff_s=0.0),
+                        transport=httpx.MockTransport(closed))  # fmt: skip
+        failures = []
+        try:
+            for call in (http.request_json("GET", "/v1/models"),
+                         http.open_stream("POST", "/v1/completions", b"{}", {})):  # fmt: skip
+                with pytest.raises(TargetError) as failure:
+                    await call
+                failures.append(failure.value)
+        finally:
+            await http.aclose()
+        return failures
+
+    failures = run(scenario())
+    assert [failure.kind for failure in failures] == ["network", "network"]
+    assert all(failure.retriable and "closed as it opened" in str(failure) for failure in failures)
+    assert attempts == ["/v1/models", "/v1/models", "/v1/completions"]  # JSON calls retried
+
+
 def test_respx_models_listing_and_api_key():
     with respx.mock(base_url=URL, assert_all_called=True) as mock:
         route = mock.get("/v1/models").mock(

@@ -80,6 +80,15 @@ def transport_failure(where: str, exc: httpx.HTTPError) -> TargetError:
     return TargetError(f"{where} failed: {type(exc).__name__}: {exc}", "network")
 
 
+def closed_as_it_opened(where: str, exc: AttributeError) -> TargetError:
+    """The network failure behind an AttributeError from the HTTP stack itself: on uvloop
+    a connection that the server closes as it opens has no socket left, and anyio's
+    peer-name lookup, which httpcore asks for on every new connection, fails on it
+    (`'NoneType' object has no attribute 'getpeername'`). Seen connecting to a vLLM
+    that had just been SIGKILLed."""
+    return TargetError(f"{where} failed: the connection closed as it opened ({exc})", "network")
+
+
 class VLLMHttp:
     """A pooled keep-alive client for one vLLM server; maps every failure to TargetError.
     This is the only place that talks HTTP to the upstream.
@@ -165,6 +174,8 @@ class VLLMHttp:
             response = await self.client.request(method, path, json=body, headers=headers)
         except httpx.HTTPError as exc:
             raise transport_failure(where, exc) from exc
+        except AttributeError as exc:
+            raise closed_as_it_opened(where, exc) from exc
         if response.status_code != 200:
             raise TargetError(
                 f"{where} returned HTTP {response.status_code}: {response.text[:500]}",
@@ -200,10 +211,13 @@ class VLLMHttp:
         request = self.stream_client.build_request(
             method, path, content=content, headers=headers
         )
+        where = f"vLLM {method} {self.base_url}{path}"
         try:
             return await self.stream_client.send(request, stream=True)
         except httpx.HTTPError as exc:
-            raise transport_failure(f"vLLM {method} {self.base_url}{path}", exc) from exc
+            raise transport_failure(where, exc) from exc
+        except AttributeError as exc:
+            raise closed_as_it_opened(where, exc) from exc
 
     async def stream_events(
         self, path: str, body: Any, headers: dict[str, str] | None = None
