@@ -7,21 +7,22 @@ pass-through -- what a new user who installs the proxy and adds nothing gets.
 
 Servers (each started with `benchmarks.servers`): vLLM-CPU on the shipped target, and
 one `ddtree-proxy serve` process in front of it with no flag but the URL and a port.
-Configurations per cell, interleaved within each repetition in rotating order:
-`direct` (vLLM itself), `passthrough` (the proxy with header `x-ddtree: off`: vLLM's
-answer relayed), `default` (the proxy as it comes). Cells: each `--clients` count of
-concurrent clients x streaming and non-streaming clients x random-token prompts
-(`--prompt-tokens` random ids, sent as token ids) and HumanEval code prompts (sent as
-text); greedy, EOS ignored, `--max-tokens` each. Per run: completion tokens per second (usage counts),
+Configurations per cell, interleaved within each repetition in rotating order: `direct`
+(vLLM itself), `passthrough` (the proxy with header `x-ddtree: off`: vLLM's answer
+relayed), `default` (the proxy as it comes). Cells: each `--clients` count of concurrent
+clients x streaming and non-streaming clients x random-token prompts (`--prompt-tokens`
+random ids, sent as token ids) and HumanEval code prompts (sent as text); greedy, EOS
+ignored, `--max-tokens` each. Per run: completion tokens per second (usage counts),
 vLLM's engine steps (`benchmarks.adaptive.engine_steps`: a cell whose requests vLLM ran
-one at a time shows there), the proxy's auxiliary calls to vLLM (/tokenize,
-/detokenize) and the proxy process's CPU milliseconds per generated token (on a small
-host every one of them is taken from vLLM). A cell's tokens/s is the median over repetitions; its ratios are the
-median of the ratios within each repetition.
+one at a time shows there), the proxy's auxiliary calls to vLLM (/tokenize, /detokenize)
+and the proxy process's CPU milliseconds per generated token (on a small host every one
+of them is taken from vLLM). A cell's tokens/s is the median over repetitions; its
+ratios are the median of the ratios within each repetition.
 
 `--bench-serve` adds vLLM's own load client, `vllm bench serve` (random dataset, the
 largest `--clients` count concurrent, `--prompt-tokens` in, `--max-tokens` out), run
-against direct and the default proxy in turn, `--reps` times: output tokens/s and inter-token latency.
+against direct and the default proxy in turn, `--reps` times: output tokens/s and
+inter-token latency.
 
 Writes benchmarks/results/relay.{json,md}.
 """

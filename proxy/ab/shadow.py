@@ -152,9 +152,7 @@ def _emulate(
     plain decoding's, and then commits what its first n nodes really accept; otherwise
     the round's tokens come plainly, at the direct arm's inter-token latency. Adds the
     round to `out`; returns the context the next round's prompts leave unprocessed."""
-    expected, seconds = round_estimates(tree, calibration, unseen, pricing.round_seconds)
-    with np.errstate(divide="ignore"):
-        rates = np.where(seconds > 0, expected / seconds, np.inf)
+    seconds, rates = round_estimates(tree, calibration, unseen, pricing.round_seconds)
     best = int(np.argmax(rates))
     out.rounds += 1
     if rates[best] * pricing.token_seconds > 1.0:

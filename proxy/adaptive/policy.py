@@ -172,9 +172,7 @@ class Policy:
         def round_seconds(num_prompts: np.ndarray, computed_tokens: np.ndarray) -> np.ndarray:
             return self.calls.seconds(num_prompts, computed_tokens) + overhead
 
-        tokens, seconds = round_estimates(tree, self.calibration, unseen_tokens, round_seconds)
-        with np.errstate(divide="ignore"):
-            return np.where(seconds > 0, tokens / seconds, np.inf)
+        return round_estimates(tree, self.calibration, unseen_tokens, round_seconds)[1]
 
     def plain_rate(self, remaining: int, stream_open: bool) -> float:
         """Predicted tokens per second of plain generation for `remaining` tokens."""
@@ -362,15 +360,17 @@ RoundCost = Callable[[np.ndarray, np.ndarray], np.ndarray]
 def round_estimates(
     tree: DraftTree, calibration: Calibration, unseen_tokens: int, round_seconds: RoundCost
 ) -> tuple[np.ndarray, np.ndarray]:
-    """[num_nodes + 1] expected tokens (calibrated acceptance + the bonus) and predicted
-    seconds of a round verifying the first n nodes, n = 0 .. num_nodes: n + 1 prompts,
-    each computing the `unseen_tokens` of context the target has not processed plus its
-    path."""
+    """[num_nodes + 1] predicted seconds and tokens per second of a round verifying the
+    first n nodes, n = 0 .. num_nodes: n + 1 prompts, each computing the `unseen_tokens`
+    of context the target has not processed plus its path; its expected tokens are the
+    calibrated acceptance of those nodes plus the bonus token (a free round: inf)."""
     tokens = 1.0 + np.concatenate([[0.0], np.cumsum(calibration.acceptance(tree))])
     num_prompts = np.arange(1, tree.num_nodes + 2)
     path_tokens = np.concatenate([[0], np.cumsum(tree.depths[1:])])
     seconds = round_seconds(num_prompts, num_prompts * unseen_tokens + path_tokens)
-    return tokens, np.asarray(seconds, dtype=np.float64)
+    seconds = np.asarray(seconds, dtype=np.float64)
+    with np.errstate(divide="ignore"):
+        return seconds, np.where(seconds > 0, tokens / seconds, np.inf)
 
 
 def target_tokens_along(tree: DraftTree, actual: Sequence[int]) -> np.ndarray:
