@@ -323,6 +323,7 @@ class _PlainStretch:
         self.events = plain(list(committed), max_tokens, stream=stream)
         self.sent = time.perf_counter()
         self.num_tokens = 0
+        self.first: tuple[int, float] | None = None  # (tokens, seconds) of the first piece
         self.ended = False
         self.failed = False
         self._unreported = (1, len(committed))  # (calls, prompt tokens) not yet in stats
@@ -362,6 +363,8 @@ class _PlainStretch:
                 tokens, logprobs = [], None
                 self.ended = self.failed = True
             if tokens:
+                if self.first is None:
+                    self.first = len(tokens), time.perf_counter() - self.sent
                 got += len(tokens)
                 self.num_tokens += len(tokens)
                 committed.extend(tokens)
@@ -390,6 +393,7 @@ class _PlainStretch:
             seconds=time.perf_counter() - self.sent,
             ended=self.ended,
             failed=self.failed,
+            first=self.first,
         )
 
     async def _piece(

@@ -53,8 +53,9 @@ SURE_CHAIN = [[0.95, 0.03]] * 4  # a drafter that is right and knows it
 # ----- the fit ---------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("ridged", [None, np.array([False, True, True])])
 @pytest.mark.parametrize("seed", range(6))
-def test_nonnegative_ridge_is_the_nnls_optimum_of_its_system(seed):
+def test_nonnegative_ridge_is_the_nnls_optimum_of_its_system(seed, ridged):
     rng = np.random.default_rng(seed)
     num = 40
     prompts = rng.integers(1, 33, num)
@@ -64,10 +65,11 @@ def test_nonnegative_ridge_is_the_nnls_optimum_of_its_system(seed):
     seconds = seconds + rng.normal(0, 0.002, num)
     rows = np.column_stack([np.ones(num), prompts, tokens, seconds])
     weights = 2.0 ** -rng.uniform(0, 3, num)
-    design, scale, target = ridge_system(rows, weights)
+    design, scale, target = ridge_system(rows, weights, ridged)
     expected = nnls(design, target)[0] / scale
-    np.testing.assert_allclose(nonnegative_ridge(rows, weights), expected, rtol=1e-6, atol=1e-12)
-    assert (nonnegative_ridge(rows, weights) >= 0).all()
+    found = nonnegative_ridge(rows, weights, ridged)
+    np.testing.assert_allclose(found, expected, rtol=1e-6, atol=1e-12)
+    assert (found >= 0).all()
 
 
 def test_call_cost_recovers_a_linear_latency_and_follows_a_change_of_load():
@@ -220,6 +222,36 @@ def test_the_older_side_is_remeasured_by_one_request():
                       Speculate)  # fmt: skip
     probe = request.decide(tree_of(SURE_CHAIN), position=12, unseen_tokens=3, remaining=64)
     assert probe == Plain(SHADOW_EVERY, True, None, "remeasure_plain")
+
+
+def test_short_plain_requests_do_not_make_long_ones_speculate():
+    # Requests of one token measure plain generation only at that length: what a longer
+    # stretch costs is unknown, and the policy must not guess it dear and leave plain.
+    clock = Clock()
+    policy = Policy(clock=clock)
+    request = policy.request(can_plain=True, seeded=False, client_streams=True)
+    for _ in range(16):  # a stream of one token: 40 ms, opening and token alike
+        request.record(PlainTokens([0] * 101, 1, 0.040, ended=True, first=(1, 0.040)))
+    # Speculation measured too: rounds of the sure chain at 30 ms (one token at 40 ms
+    # plain, so on a one-token request a round wins).
+    measured_rounds = policy.request(can_plain=True, seeded=False, client_streams=True)
+    for num_prompts in (1, 5, 9):
+        measured_rounds.record(RoundResult(tree_of(SURE_CHAIN), [1, 2, 3, 4], 5, 0.03, 0.03,
+                                           num_prompts, num_prompts))  # fmt: skip
+    assert isinstance(decide(policy, remaining=64), Plain)
+
+
+def test_one_stream_measures_its_opening_and_its_tokens():
+    # Every stretch has 64 tokens: only the stream's first event tells the opening (60 ms)
+    # from the tokens (5 ms each), which decides a request that needs few tokens.
+    clock = Clock()
+    policy = Policy(clock=clock)
+    request = policy.request(can_plain=True, seeded=False, client_streams=True)
+    for _ in range(4):
+        request.record(PlainTokens([0] * 164, 64, 0.060 + 64 * 0.005, ended=True,
+                                   first=(1, 0.065)))  # fmt: skip
+    assert policy.plain_rate(10, stream_open=False) == pytest.approx(10 / 0.110, rel=0.05)
+    assert policy.plain_rate(10, stream_open=True) == pytest.approx(1 / 0.005, rel=0.05)
 
 
 def test_shadows_teach_the_calibration_while_plain():

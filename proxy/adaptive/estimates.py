@@ -81,16 +81,19 @@ class Fading:
         return float(numerator / denominator) if denominator > 0 else None
 
 
-def nonnegative_ridge(rows: np.ndarray, weights: np.ndarray) -> np.ndarray:
+def nonnegative_ridge(
+    rows: np.ndarray, weights: np.ndarray, ridged: np.ndarray | None = None
+) -> np.ndarray:
     """[k] non-negative coefficients minimizing the weighted squared error of
     rows [n, k + 1] = (features..., seconds), on feature columns scaled to unit weighted
-    RMS, with RIDGE * sum(weights) on the squared scaled coefficients.
+    RMS, with RIDGE * sum(weights) on the squared scaled coefficients (those `ridged`
+    marks; default all).
 
     The least-squares problem with the ridge rows appended is solved exactly: its
     non-negative optimum is the unconstrained optimum on some subset of the columns, so
     every subset whose solution is non-negative is tried and the smallest residual kept
     (eight subsets for three columns)."""
-    design, scale, target = ridge_system(rows, weights)
+    design, scale, target = ridge_system(rows, weights, ridged)
     num_cols = design.shape[1]
     best, best_residual = np.zeros(num_cols), float(np.sum(target**2))  # no column
     for size in range(1, num_cols + 1):
@@ -106,25 +109,34 @@ def nonnegative_ridge(rows: np.ndarray, weights: np.ndarray) -> np.ndarray:
     return best / scale
 
 
-def ridge_system(rows: np.ndarray, weights: np.ndarray) -> tuple[np.ndarray, ...]:
+def ridge_system(
+    rows: np.ndarray, weights: np.ndarray, ridged: np.ndarray | None = None
+) -> tuple[np.ndarray, ...]:
     """(design [n + k, k], column scale [k], target [n + k]) of `nonnegative_ridge`:
-    the weighted rows with scaled columns, then sqrt(RIDGE * sum(weights)) * I."""
+    the weighted rows with scaled columns, then sqrt(RIDGE * sum(weights)) * I (its
+    rows of unridged columns zero)."""
     num_cols = rows.shape[1] - 1
     root = np.sqrt(weights)
     x, y = rows[:, :num_cols] * root[:, None], rows[:, num_cols] * root
     scale = np.sqrt(np.sum(x**2, axis=0) / np.sum(weights))
     scale[scale == 0] = 1.0
     ridge = math.sqrt(RIDGE * float(np.sum(weights))) * np.eye(num_cols)
+    if ridged is not None:
+        ridge *= np.asarray(ridged, dtype=float)[:, None]
     return np.vstack([x / scale, ridge]), scale, np.concatenate([y, np.zeros(num_cols)])
 
 
 class LinearCost:
     """seconds = coefficients . (1, features...), fitted over the recent observations
-    (`nonnegative_ridge`, each row weighted by its age's `decay`)."""
+    (`nonnegative_ridge`, each row weighted by its age's `decay`; `ridged`: the
+    coefficients the ridge holds down, default all)."""
 
-    def __init__(self, num_features: int, clock: Clock) -> None:
+    def __init__(
+        self, num_features: int, clock: Clock, ridged: tuple[bool, ...] | None = None
+    ) -> None:
         self._clock = clock
         self._num_cols = num_features + 1
+        self._ridged = None if ridged is None else np.asarray(ridged, dtype=bool)
         self._rows: deque[tuple[float, ...]] = deque(maxlen=MAX_CALLS)  # (t, features, s)
         self._theta: np.ndarray | None = None
         self.updated: float | None = None
@@ -150,7 +162,7 @@ class LinearCost:
             data = np.asarray(self._rows)
             rows = np.column_stack([np.ones(len(data)), data[:, 1:]])
             weights = np.array([decay(data[-1, 0] - t) for t in data[:, 0]])
-            self._theta = nonnegative_ridge(rows, weights)
+            self._theta = nonnegative_ridge(rows, weights, self._ridged)
         return self._theta
 
     def seconds(self, *features: np.ndarray | float) -> np.ndarray:

@@ -99,6 +99,9 @@ class PlainTokens:
     seconds: float  # since this plain call was sent
     ended: bool  # the stretch is over (the stream ended or was closed, or the answer came)
     failed: bool = False  # ... because the call failed (a round follows: rounds are retried)
+    # The stretch's first piece: (tokens, seconds since the call was sent); a stream's
+    # first event times its opening, the rest its tokens, so one stream measures both.
+    first: tuple[int, float] | None = None
 
 
 @dataclass(frozen=True)
@@ -127,7 +130,10 @@ class Policy:
         self.clock = clock
         self.trace = trace  # gets one record per decision
         self.calls = LinearCost(2, clock)  # verification: (prompts, computed tokens) -> s
-        self.plain = LinearCost(1, clock)  # a plain stretch: (tokens) -> s
+        # A plain stretch: (tokens) -> s. What its stretches cannot tell apart (all of one
+        # length) is charged to the opening, not the tokens: extrapolated to a longer
+        # stretch, plain then looks fast, and plain is never slower than the target alone.
+        self.plain = LinearCost(1, clock, ridged=(False, True))
         self.overhead = Fading(2, clock)  # host time per round outside the call: (s, n)
         self.calibration = Calibration(clock)
         self.decisions: Counter[tuple[str, str]] = Counter()  # (kind, reason)
@@ -335,6 +341,9 @@ class RequestPolicy:
                 self._stream_open = False
                 self._plain_failed = outcome.failed or outcome.stretch_tokens == 0
                 if not outcome.failed and outcome.stretch_tokens > 0 and outcome.seconds > 0:
+                    first = outcome.first
+                    if first is not None and 0 < first[0] < outcome.stretch_tokens:
+                        policy.plain.observe(*first)
                     policy.plain.observe(outcome.stretch_tokens, outcome.seconds)
         else:
             self._shadows = []
