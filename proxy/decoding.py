@@ -258,6 +258,7 @@ async def stream_generate(
                     position=len(committed),
                     unseen_tokens=unseen_tokens,
                     remaining=output.remaining,
+                    max_depth=depth,
                 )
             if isinstance(decision, Plain):
                 assert session.plain is not None and decisions is not None

@@ -216,7 +216,7 @@ def test_phases_with_fresh_proxies(vllm_server, tmp_path):
     assert [(row["phase"], row["prompts"], row["config"]) for row in got["phases"]] == [
         (phase, prompts, config)
         for phase, prompts in ((1, "code"), (2, "random"), (3, "code"))
-        for config in ("direct", "old", "new")
+        for config in ("direct", "passthrough", "old", "new")
     ]
     assert all(row["runs"][0]["tokens"] == 8 for row in got["phases"])
     assert (tmp_path / "adaptive_phases.md").is_file()

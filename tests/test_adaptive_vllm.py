@@ -36,7 +36,7 @@ class ScriptedRequest:
         self._plain_next = plain_first
         self._nodes, self._chunk, self._one_answer = num_nodes, chunk, one_answer
 
-    def decide(self, tree, *, position: int, unseen_tokens: int, remaining: int):
+    def decide(self, tree, *, position: int, unseen_tokens: int, remaining: int, max_depth: int):
         plain, self._plain_next = self._plain_next, not self._plain_next
         if plain:
             return Plain(min(self._chunk, remaining), not self._one_answer, None, "scripted")
@@ -69,7 +69,7 @@ class PlainOnly(Policy):
         assert can_plain
         return self
 
-    def decide(self, tree, *, position: int, unseen_tokens: int, remaining: int):
+    def decide(self, tree, *, position: int, unseen_tokens: int, remaining: int, max_depth: int):
         return Plain(min(self.chunk, remaining), True, None, "scripted")
 
     def record(self, outcome) -> None:

@@ -127,7 +127,7 @@ def measured(policy: Policy, clock: Clock, *, call_s: float, per_prompt_s: float
 def decide(policy: Policy, tree=None, *, seeded=False, streams=True, remaining=64, new=1):
     request = policy.request(can_plain=True, seeded=seeded, client_streams=streams)
     return request.decide(tree or tree_of(SURE_CHAIN), position=100, unseen_tokens=new,
-                          remaining=remaining)  # fmt: skip
+                          remaining=remaining, max_depth=4)  # fmt: skip
 
 
 def test_a_cold_start_is_plain_and_seeded_requests_stay_plain():
@@ -175,7 +175,7 @@ def test_a_request_switches_only_past_the_band():
     spec_rate = (1 + 0.999) / (round_s + 0.002)
     measured(policy, clock, call_s=round_s, per_prompt_s=0.001, plain_token_s=1 / (spec_rate * (1 + BAND / 2)))
     request = policy.request(can_plain=True, seeded=False, client_streams=True)
-    kinds = [type(request.decide(tree, position=10, unseen_tokens=1, remaining=10_000)) for _ in range(3)]
+    kinds = [type(request.decide(tree, position=10, unseen_tokens=1, remaining=10_000, max_depth=4)) for _ in range(3)]
     assert len(set(kinds)) == 1  # no flapping inside the band, whichever side it starts on
 
 
@@ -183,12 +183,12 @@ def test_engine_mode_sizes_the_tree_and_never_goes_plain():
     clock = Clock()
     policy = Policy(clock=clock)
     request = policy.request(can_plain=False, seeded=False, client_streams=True)
-    first = request.decide(tree_of(SURE_CHAIN), position=5, unseen_tokens=1, remaining=64)
+    first = request.decide(tree_of(SURE_CHAIN), position=5, unseen_tokens=1, remaining=64, max_depth=4)
     assert first == Speculate(tree_of(SURE_CHAIN).num_nodes, "speculation_unmeasured")
     for num_prompts in (1, 3, 5, 9):  # each extra prompt nearly free
         request.record(RoundResult(tree_of([[0.5]]), [], 1, 0.01 + 1e-4 * num_prompts,
                              0.01 + 1e-4 * num_prompts, num_prompts, num_prompts))  # fmt: skip
-    sure = request.decide(tree_of(SURE_CHAIN), position=5, unseen_tokens=1, remaining=64)
+    sure = request.decide(tree_of(SURE_CHAIN), position=5, unseen_tokens=1, remaining=64, max_depth=4)
     # The four sure nodes (the chain), not their 3 % siblings: a node must return more
     # tokens than its prompt costs at the round's rate.
     assert sure == Speculate(4, "no_plain_generation")
@@ -196,7 +196,7 @@ def test_engine_mode_sizes_the_tree_and_never_goes_plain():
     for num_prompts in (1, 3, 5, 9):
         request.record(RoundResult(tree_of([[0.5]]), [], 1, 0.01 * num_prompts, 0.01 * num_prompts,
                              num_prompts, num_prompts))  # fmt: skip
-    hopeless = request.decide(tree_of([[0.01, 0.01]] * 4), position=5, unseen_tokens=1, remaining=64)
+    hopeless = request.decide(tree_of([[0.01, 0.01]] * 4), position=5, unseen_tokens=1, remaining=64, max_depth=4)
     assert hopeless == Speculate(0, "no_plain_generation")
 
 
@@ -218,9 +218,9 @@ def test_the_older_side_is_remeasured_by_one_request():
     clock2.now += 2 * HALF_LIFE_S
     request = other.request(can_plain=True, seeded=False, client_streams=True)
     request.record(RoundResult(tree_of(SURE_CHAIN), [1, 2], 3, 0.011, 0.0105, 5, 8))
-    assert isinstance(request.decide(tree_of(SURE_CHAIN), position=9, unseen_tokens=3, remaining=64),
+    assert isinstance(request.decide(tree_of(SURE_CHAIN), position=9, unseen_tokens=3, remaining=64, max_depth=4),
                       Speculate)  # fmt: skip
-    probe = request.decide(tree_of(SURE_CHAIN), position=12, unseen_tokens=3, remaining=64)
+    probe = request.decide(tree_of(SURE_CHAIN), position=12, unseen_tokens=3, remaining=64, max_depth=4)
     assert probe == Plain(SHADOW_EVERY, True, None, "remeasure_plain")
 
 
@@ -257,18 +257,39 @@ def test_one_stream_measures_its_opening_and_its_tokens():
 def test_shadows_teach_the_calibration_while_plain():
     clock = Clock()
     policy = Policy(clock=clock)
-    measured(policy, clock, call_s=0.2, per_prompt_s=0.01, plain_token_s=0.02)
+    # Rounds cheap enough that a tree all accepted would beat plain, this one not.
+    measured(policy, clock, call_s=0.02, per_prompt_s=0.001, plain_token_s=0.01)
     doubtful = tree_of([[0.3, 0.2]] * 4, root=7)
     request = policy.request(can_plain=True, seeded=False, client_streams=True)
     before = policy.calibration.acceptance(doubtful)[0]
     for step in range(20):
         position = 100 + 8 * step
-        decision = request.decide(doubtful, position=position, unseen_tokens=1, remaining=512)
-        assert isinstance(decision, Plain) and decision.recheck_after == SHADOW_EVERY
+        decision = request.decide(doubtful, position=position, unseen_tokens=1, remaining=512, max_depth=4)
+        if isinstance(decision, Speculate):
+            break
+        assert decision.recheck_after == SHADOW_EVERY
         # The target always took the drafter's first guess at every depth.
         committed = [0] * (position - 1) + [7, 10, 20, 30, 40, 5, 5, 5, 5]
-        request.record(PlainTokens(committed, 8 * (step + 1), 0.02 * 8 * (step + 1), ended=False))
-    assert policy.calibration.acceptance(doubtful)[0] > before + 0.2
+        request.record(PlainTokens(committed, 8 * (step + 1), 0.01 * 8 * (step + 1), ended=False))
+    assert step > 0 and policy.calibration.acceptance(doubtful)[0] > before + 0.2
+    # What the shadows taught brings the request back to speculation.
+    assert decision == Speculate(decision.num_nodes, "speculation_faster")
+
+
+def test_a_stream_no_tree_could_beat_is_read_on_without_drafting():
+    clock = Clock()
+    policy = Policy(clock=clock)
+    # A round costs ten plain tokens: even four of four nodes accepted lose.
+    measured(policy, clock, call_s=0.2, per_prompt_s=0.01, plain_token_s=0.02)
+    decision = decide(policy, remaining=512)
+    assert isinstance(decision, Plain) and decision.reason == "plain_faster"
+    # The next look comes when the estimates have gone stale: a half-life of tokens.
+    assert decision.recheck_after == pytest.approx(HALF_LIFE_S / 0.02, rel=0.05)
+    # Where rounds are cheap enough that a better tree could win, every SHADOW_EVERY.
+    cheap = Policy(clock=clock)
+    measured(cheap, clock, call_s=0.02, per_prompt_s=0.001, plain_token_s=0.01)
+    doubtful = decide(cheap, tree_of([[0.3, 0.2]] * 4), remaining=512)
+    assert isinstance(doubtful, Plain) and doubtful.recheck_after == SHADOW_EVERY
 
 
 def test_every_decision_is_counted_and_traced():

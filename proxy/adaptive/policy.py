@@ -180,6 +180,15 @@ class Policy:
 
         return round_estimates(tree, self.calibration, unseen_tokens, round_seconds)[1]
 
+    def speculation_ceiling(self, max_depth: int) -> float:
+        """Tokens per second of a round in which a chain of `max_depth` nodes is all
+        accepted: no tree of that depth does better (a round gives at most max_depth + 1
+        tokens and verifies at least max_depth + 1 prompts)."""
+        num_prompts = max_depth + 1
+        computed = num_prompts + max_depth * (max_depth + 1) // 2  # one unseen token each
+        seconds = float(self.calls.seconds(num_prompts, computed)) + (self.overhead.ratio() or 0.0)
+        return num_prompts / seconds if seconds > 0 else float("inf")
+
     def plain_rate(self, remaining: int, stream_open: bool) -> float:
         """Predicted tokens per second of plain generation for `remaining` tokens."""
         opening, per_token = self.plain.coefficients()
@@ -241,12 +250,19 @@ class RequestPolicy:
         return self.root.for_replica(self.replica())
 
     def decide(
-        self, tree: DraftTree, *, position: int, unseen_tokens: int, remaining: int
+        self,
+        tree: DraftTree,
+        *,
+        position: int,
+        unseen_tokens: int,
+        remaining: int,
+        max_depth: int,
     ) -> Decision:
         """The next step, given the tree just drafted at the request's end (its root is
         the last committed token, at `position` - 1), the context per prompt the target
-        has not processed, and the tokens the request may still produce."""
-        decision, numbers = self._decide(tree, unseen_tokens, remaining)
+        has not processed, the tokens the request may still produce, and the depth the
+        drafter may reach (the tree just drafted may be shallower)."""
+        decision, numbers = self._decide(tree, unseen_tokens, remaining, max_depth)
         policy = self.policy
         self._decided_on = self.replica()
         kind = "plain" if isinstance(decision, Plain) else "speculate"
@@ -266,7 +282,7 @@ class RequestPolicy:
         return decision
 
     def _decide(
-        self, tree: DraftTree, unseen_tokens: int, remaining: int
+        self, tree: DraftTree, unseen_tokens: int, remaining: int, max_depth: int
     ) -> tuple[Decision, dict[str, Any]]:
         policy = self.policy
         if not self.can_plain:
@@ -306,7 +322,8 @@ class RequestPolicy:
         else:
             go_plain = not spec_rate > (1 + BAND) * plain_rate
         if go_plain:
-            return self._plain(remaining, "plain_faster"), numbers
+            ceiling = policy.speculation_ceiling(max_depth)
+            return self._plain(remaining, "plain_faster", ceiling), numbers
         return Speculate(best, "speculation_faster"), numbers
 
     def _ages(self) -> dict[str, float]:
@@ -315,14 +332,24 @@ class RequestPolicy:
         ages = {side: now - self.policy.measured_at(side) for side in ("speculate", "plain")}
         return {f"{side}_age_s": None if math.isinf(age) else age for side, age in ages.items()}
 
-    def _plain(self, remaining: int, reason: str) -> Plain:
-        if self._stream_open:  # the loop keeps the open stream
-            return Plain(remaining, True, SHADOW_EVERY, reason)
-        if not self.client_streams:
-            # One answer: it cannot be closed early, but costs the proxy host one event
-            # where a stream costs one per token.
-            return Plain(remaining, False, None, reason)
-        return Plain(remaining, True, SHADOW_EVERY, reason)
+    def _plain(self, remaining: int, reason: str, ceiling: float = float("inf")) -> Plain:
+        """Plain generation; `ceiling`: the fastest speculation could be (unknown: inf)."""
+        if self._stream_open or self.client_streams:  # the loop keeps an open stream
+            return Plain(remaining, True, self._recheck_after(ceiling), reason)
+        # One answer: it cannot be closed early, but costs the proxy host one event where
+        # a stream costs one per token.
+        return Plain(remaining, False, None, reason)
+
+    def _recheck_after(self, ceiling: float) -> int | None:
+        """Stream tokens before the next decision: SHADOW_EVERY, or, when not even a tree
+        all accepted would beat the open stream by BAND, what the stream gives in a
+        half-life (the estimates are stale by then; None: not within this stream)."""
+        stream_rate = self.policy.plain_rate(SHADOW_EVERY, stream_open=True)
+        if ceiling > (1 + BAND) * stream_rate:
+            return SHADOW_EVERY
+        if math.isinf(stream_rate):
+            return None
+        return max(SHADOW_EVERY, int(HALF_LIFE_S * stream_rate))
 
     def record(self, outcome: Outcome) -> None:
         policy = self.policy
