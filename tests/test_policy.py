@@ -125,9 +125,12 @@ def measured(policy: Policy, clock: Clock, *, call_s: float, per_prompt_s: float
 
 
 def decide(policy: Policy, tree=None, *, seeded=False, streams=True, remaining=64, new=1):
+    """A new request's first decision (the request then ends)."""
     request = policy.request(can_plain=True, seeded=seeded, client_streams=streams)
-    return request.decide(tree or tree_of(SURE_CHAIN), position=100, unseen_tokens=new,
-                          remaining=remaining, max_depth=4)  # fmt: skip
+    decision = request.decide(tree or tree_of(SURE_CHAIN), position=100, unseen_tokens=new,
+                              remaining=remaining, max_depth=4)  # fmt: skip
+    request.record(Finished())
+    return decision
 
 
 def test_a_cold_start_is_plain_and_seeded_requests_stay_plain():
@@ -163,6 +166,20 @@ def test_speculates_where_rounds_pay_and_steps_aside_where_they_do_not():
     assert isinstance(decide(slow), Plain)
     # A tree the drafter has no confidence in loses even where rounds are cheap.
     assert isinstance(decide(fast, tree_of([[0.05, 0.04]] * 4)), Plain)
+
+
+def test_rounds_that_pay_alone_lose_when_other_requests_share_the_steps():
+    clock = Clock()
+    policy = Policy(clock=clock)
+    # Each prompt costs 4 ms of the engine's steps: alone, rounds of the sure chain win.
+    measured(policy, clock, call_s=0.02, per_prompt_s=0.004, plain_token_s=0.015)
+    assert isinstance(decide(policy), Speculate)
+    # Three more requests in flight wait for every extra prompt too.
+    others = [policy.request(can_plain=True, seeded=False, client_streams=True) for _ in range(3)]
+    assert isinstance(decide(policy), Plain)
+    for other in others:
+        other.record(Finished())
+    assert isinstance(decide(policy), Speculate)
 
 
 def test_a_request_switches_only_past_the_band():

@@ -140,8 +140,10 @@ class Policy:
         self.prevailing: str = "plain"  # the side of the latest decision, for new requests
         self._claimed = {"speculate": -float("inf"), "plain": -float("inf")}
         self._next_request = 0
+        self.in_flight = 0  # requests begun and not Finished (`request`, `record`)
         # Several upstream replicas: one policy each (their costs differ), by replica name.
         self.replicas: dict[str, Policy] = {}
+        self._parent: Policy | None = None  # the policy whose replica this one is
 
     def for_replica(self, replica: str | None) -> Policy:
         """The policy of requests served by `replica` (one of several upstreams; made at
@@ -150,6 +152,7 @@ class Policy:
             return self
         if replica not in self.replicas:
             self.replicas[replica] = Policy(self.clock, self.trace)
+            self.replicas[replica]._parent = self
         return self.replicas[replica]
 
     def request(
@@ -165,6 +168,7 @@ class Policy:
         the upstream replica serving the request now (a failover moves it), whose
         estimates (`for_replica`) decide and learn each step."""
         self._next_request += 1
+        self.in_flight += 1
         return RequestPolicy(self, replica, self._next_request, can_plain, seeded, client_streams)
 
     # ----- the numbers ------------------------------------------------------------
@@ -173,12 +177,22 @@ class Policy:
         """[num_nodes + 1] predicted tokens per second of a round verifying the first n
         nodes, n = 0 .. num_nodes (`unseen_tokens`: context per prompt the target has
         not processed)."""
-        overhead = self.overhead.ratio() or 0.0
+        return round_estimates(tree, self.calibration, unseen_tokens, self.round_seconds)[1]
 
-        def round_seconds(num_prompts: np.ndarray, computed_tokens: np.ndarray) -> np.ndarray:
-            return self.calls.seconds(num_prompts, computed_tokens) + overhead
-
-        return round_estimates(tree, self.calibration, unseen_tokens, round_seconds)[1]
+    def round_seconds(self, num_prompts: np.ndarray, computed_tokens: np.ndarray) -> np.ndarray:
+        """Predicted seconds of a round: its call, the host's overhead, and what its
+        extra work costs the other requests in flight. They share the engine's steps, so
+        each waits for what the round asks beyond a one-prompt call (its other prompts
+        and their tokens) -- time the round takes from the server, not only from its
+        own request."""
+        per_call, per_prompt, per_token = self.calls.coefficients()
+        extra = per_prompt * (np.asarray(num_prompts) - 1) + per_token * (
+            np.asarray(computed_tokens) - np.asarray(computed_tokens) / np.asarray(num_prompts)
+        )
+        root = self._parent or self
+        others = max(0, math.ceil(root.in_flight / max(1, len(root.replicas))) - 1)
+        call = self.calls.seconds(num_prompts, computed_tokens)
+        return call + others * extra + (self.overhead.ratio() or 0.0)
 
     def speculation_ceiling(self, max_depth: int) -> float:
         """Tokens per second of a round in which a chain of `max_depth` nodes is all
@@ -186,7 +200,7 @@ class Policy:
         tokens and verifies at least max_depth + 1 prompts)."""
         num_prompts = max_depth + 1
         computed = num_prompts + max_depth * (max_depth + 1) // 2  # one unseen token each
-        seconds = float(self.calls.seconds(num_prompts, computed)) + (self.overhead.ratio() or 0.0)
+        seconds = float(self.round_seconds(np.asarray(num_prompts), np.asarray(computed)))
         return num_prompts / seconds if seconds > 0 else float("inf")
 
     def plain_rate(self, remaining: int, stream_open: bool) -> float:
@@ -374,6 +388,7 @@ class RequestPolicy:
                     policy.plain.observe(outcome.stretch_tokens, outcome.seconds)
         else:
             self._shadows = []
+            self.root.in_flight -= 1
 
     def _walk_shadows(self, committed: Sequence[int]) -> None:
         waiting = []
