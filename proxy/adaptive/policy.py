@@ -4,7 +4,9 @@ rule with the numbers that decide it; in short:
 
 * speculation's rate for this request = the best, over n, of the expected tokens of the
   tree's first n nodes (1 + their calibrated acceptance) over the round's predicted time
-  (the fitted call latency for n + 1 prompts plus the measured host time per round);
+  (the fitted call latency for n + 1 prompts, the measured host time per round, and
+  the round's work beyond a one-prompt call once for each other request in flight:
+  they share the engine's steps);
 * plain generation's rate = the tokens the request still needs over the fitted time of a
   plain stretch that long (its opening counted unless a stream is already open);
 * a request changes side only when the other side is faster by BAND;
@@ -185,7 +187,7 @@ class Policy:
         each waits for what the round asks beyond a one-prompt call (its other prompts
         and their tokens) -- time the round takes from the server, not only from its
         own request."""
-        per_call, per_prompt, per_token = self.calls.coefficients()
+        _, per_prompt, per_token = self.calls.coefficients()
         extra = per_prompt * (np.asarray(num_prompts) - 1) + per_token * (
             np.asarray(computed_tokens) - np.asarray(computed_tokens) / np.asarray(num_prompts)
         )
