@@ -227,7 +227,7 @@ def test_a_moved_request_decides_and_learns_with_its_new_replicas_estimates():
     prior = Policy().calibration.acceptance(tree)
 
     def round_done() -> None:
-        request.decide(tree, position=4, unseen_tokens=1, remaining=8)
+        request.decide(tree, position=4, unseen_tokens=1, remaining=8, max_depth=2)
         request.record(RoundResult(tree, [1, 2], 3, 0.02, 0.01, 3, 5))
 
     def learned(url: str) -> tuple[int, bool]:
@@ -238,7 +238,7 @@ def test_a_moved_request_decides_and_learns_with_its_new_replicas_estimates():
 
     round_done()
     assert learned(URLS[0]) == (1, True) and learned(URLS[1]) == (0, False)
-    request.decide(tree, position=7, unseen_tokens=1, remaining=5)
+    request.decide(tree, position=7, unseen_tokens=1, remaining=5, max_depth=2)
     serving["url"] = URLS[1]  # the round's call failed over
     request.record(RoundResult(tree, [1, 2], 3, 0.5, 0.49, 3, 5))
     assert learned(URLS[0])[0] == 1 and learned(URLS[1]) == (0, True)
