@@ -182,6 +182,27 @@ def test_rounds_that_pay_alone_lose_when_other_requests_share_the_steps():
     assert isinstance(decide(policy), Speculate)
 
 
+def test_a_round_is_charged_for_the_requests_on_its_own_replica():
+    """Replicas do not share steps: requests on another one cost a round nothing, and a
+    request moved by a failover counts where it runs now."""
+    clock = Clock()
+    root = Policy(clock=clock)
+    here, there = root.for_replica("http://a"), root.for_replica("http://b")
+    measured(here, clock, call_s=0.02, per_prompt_s=0.004, plain_token_s=0.015)
+    serving = {"url": "http://b"}
+    others = [root.request(can_plain=True, seeded=False, client_streams=True,
+                           replica=lambda: serving["url"]) for _ in range(3)]  # fmt: skip
+    assert isinstance(decide(here), Speculate)
+    serving["url"] = "http://a"  # failed over: counted here from their next decision
+    for other in others:
+        other.decide(tree_of(SURE_CHAIN), position=100, unseen_tokens=1, remaining=64, max_depth=4)
+    assert isinstance(decide(here), Plain)
+    for other in others:
+        other.record(Finished())
+    assert isinstance(decide(here), Speculate)
+    assert here.in_flight == there.in_flight == root.in_flight == 0
+
+
 def test_a_request_switches_only_past_the_band():
     clock = Clock()
     policy = Policy(clock=clock)

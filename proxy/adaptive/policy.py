@@ -142,10 +142,9 @@ class Policy:
         self.prevailing: str = "plain"  # the side of the latest decision, for new requests
         self._claimed = {"speculate": -float("inf"), "plain": -float("inf")}
         self._next_request = 0
-        self.in_flight = 0  # requests begun and not Finished (`request`, `record`)
+        self.in_flight = 0  # requests on this target begun and not Finished
         # Several upstream replicas: one policy each (their costs differ), by replica name.
         self.replicas: dict[str, Policy] = {}
-        self._parent: Policy | None = None  # the policy whose replica this one is
 
     def for_replica(self, replica: str | None) -> Policy:
         """The policy of requests served by `replica` (one of several upstreams; made at
@@ -154,7 +153,6 @@ class Policy:
             return self
         if replica not in self.replicas:
             self.replicas[replica] = Policy(self.clock, self.trace)
-            self.replicas[replica]._parent = self
         return self.replicas[replica]
 
     def request(
@@ -170,8 +168,11 @@ class Policy:
         the upstream replica serving the request now (a failover moves it), whose
         estimates (`for_replica`) decide and learn each step."""
         self._next_request += 1
-        self.in_flight += 1
-        return RequestPolicy(self, replica, self._next_request, can_plain, seeded, client_streams)
+        decisions = RequestPolicy(
+            self, replica, self._next_request, can_plain, seeded, client_streams
+        )
+        decisions._count_in_flight()
+        return decisions
 
     # ----- the numbers ------------------------------------------------------------
 
@@ -187,13 +188,11 @@ class Policy:
         each waits for what the round asks beyond a one-prompt call (its other prompts
         and their tokens) -- time the round takes from the server, not only from its
         own request."""
-        _, per_prompt, per_token = self.calls.coefficients()
-        extra = per_prompt * (np.asarray(num_prompts) - 1) + per_token * (
-            np.asarray(computed_tokens) - np.asarray(computed_tokens) / np.asarray(num_prompts)
-        )
-        root = self._parent or self
-        others = max(0, math.ceil(root.in_flight / max(1, len(root.replicas))) - 1)
-        call = self.calls.seconds(num_prompts, computed_tokens)
+        per_call, per_prompt, per_token = self.calls.coefficients()
+        prompts, tokens = np.asarray(num_prompts), np.asarray(computed_tokens)
+        call = per_call + per_prompt * prompts + per_token * tokens
+        extra = per_prompt * (prompts - 1) + per_token * (tokens - tokens / prompts)
+        others = max(0, self.in_flight - 1)
         return call + others * extra + (self.overhead.ratio() or 0.0)
 
     def speculation_ceiling(self, max_depth: int) -> float:
@@ -206,10 +205,18 @@ class Policy:
         return num_prompts / seconds if seconds > 0 else float("inf")
 
     def plain_rate(self, remaining: int, stream_open: bool) -> float:
-        """Predicted tokens per second of plain generation for `remaining` tokens."""
+        """Predicted tokens per second of plain generation for `remaining` tokens (an open
+        stream has paid its opening: `stream_rate`)."""
+        if stream_open:
+            return self.stream_rate()
         opening, per_token = self.plain.coefficients()
-        seconds = per_token * remaining + (0.0 if stream_open else opening)
+        seconds = opening + per_token * remaining
         return float(remaining / seconds) if seconds > 0 else float("inf")
+
+    def stream_rate(self) -> float:
+        """Predicted tokens per second of an open plain stream."""
+        per_token = float(self.plain.coefficients()[1])
+        return 1.0 / per_token if per_token > 0 else float("inf")
 
     def measured_at(self, side: str) -> float:
         """When `side`'s estimate was last measured or a re-measurement claimed."""
@@ -255,6 +262,7 @@ class RequestPolicy:
     _plain_failed: bool = False
     _num_remeasured: int = 0
     _decided_on: str | None = None  # the replica serving the request at the last decision
+    _counted_on: Policy | None = None  # the replica policy whose in_flight counts it
     _shadows: list[_Shadow] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -264,6 +272,16 @@ class RequestPolicy:
     def policy(self) -> Policy:
         """The estimates of the replica serving the request now."""
         return self.root.for_replica(self.replica())
+
+    def _count_in_flight(self) -> None:
+        """Count the request in the in-flight requests of the replica serving it (a
+        failover moves the count with it)."""
+        policy = self.policy
+        if self._counted_on is not policy:
+            if self._counted_on is not None:
+                self._counted_on.in_flight -= 1
+            policy.in_flight += 1
+            self._counted_on = policy
 
     def decide(
         self,
@@ -278,6 +296,7 @@ class RequestPolicy:
         the last committed token, at `position` - 1), the context per prompt the target
         has not processed, the tokens the request may still produce, and the depth the
         drafter may reach (the tree just drafted may be shallower)."""
+        self._count_in_flight()
         decision, numbers = self._decide(tree, unseen_tokens, remaining, max_depth)
         policy = self.policy
         self._decided_on = self.replica()
@@ -360,7 +379,7 @@ class RequestPolicy:
         """Stream tokens before the next decision: SHADOW_EVERY, or, when not even a tree
         all accepted would beat the open stream by BAND, what the stream gives in a
         half-life (the estimates are stale by then; None: not within this stream)."""
-        stream_rate = self.policy.plain_rate(SHADOW_EVERY, stream_open=True)
+        stream_rate = self.policy.stream_rate()
         if ceiling > (1 + BAND) * stream_rate:
             return SHADOW_EVERY
         if math.isinf(stream_rate):
@@ -390,7 +409,9 @@ class RequestPolicy:
                     policy.plain.observe(outcome.stretch_tokens, outcome.seconds)
         else:
             self._shadows = []
-            self.root.in_flight -= 1
+            if self._counted_on is not None:
+                self._counted_on.in_flight -= 1
+                self._counted_on = None
 
     def _walk_shadows(self, committed: Sequence[int]) -> None:
         waiting = []
