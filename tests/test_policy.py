@@ -330,6 +330,21 @@ def test_a_stream_no_tree_could_beat_is_read_on_without_drafting():
     assert isinstance(doubtful, Plain) and doubtful.recheck_after == SHADOW_EVERY
 
 
+def test_a_client_that_does_not_stream_gets_one_answer_only_when_no_tree_could_win():
+    """One answer cannot be closed early: the whole rest of the request stays plain. A
+    tree that loses (the drafter had nothing here) does not decide that when a better
+    tree could win; only the ceiling does."""
+    clock = Clock()
+    cheap = Policy(clock=clock)
+    measured(cheap, clock, call_s=0.02, per_prompt_s=0.001, plain_token_s=0.01)
+    nothing_drafted = tree_of([[0.01]], budget=1)
+    doubtful = decide(cheap, nothing_drafted, streams=False, remaining=512)
+    assert doubtful == Plain(512, True, SHADOW_EVERY, "plain_faster")
+    dear = Policy(clock=clock)
+    measured(dear, clock, call_s=0.2, per_prompt_s=0.01, plain_token_s=0.02)
+    assert decide(dear, streams=False, remaining=512) == Plain(512, False, None, "plain_faster")
+
+
 def test_every_decision_is_counted_and_traced():
     clock = Clock()
     records = []

@@ -311,6 +311,8 @@ class RequestPolicy:
             if tree.num_nodes:
                 self._shadows.append(_Shadow(tree, position))
         if policy.trace is not None:
+            if isinstance(decision, Plain):
+                numbers |= {"stream": decision.stream, "recheck_after": decision.recheck_after}
             policy.trace({"t": policy.clock(), "request": self.request_id, "decision": kind,
                           "reason": decision.reason, "nodes": tree.num_nodes,
                           "remaining": remaining, **numbers})  # fmt: skip
@@ -357,7 +359,7 @@ class RequestPolicy:
         else:
             go_plain = not spec_rate > (1 + BAND) * plain_rate
         if go_plain:
-            ceiling = policy.speculation_ceiling(max_depth)
+            numbers["ceiling"] = ceiling = policy.speculation_ceiling(max_depth)
             return self._plain(remaining, "plain_faster", ceiling), numbers
         return Speculate(best, "speculation_faster"), numbers
 
@@ -368,23 +370,20 @@ class RequestPolicy:
         return {f"{side}_age_s": None if math.isinf(age) else age for side, age in ages.items()}
 
     def _plain(self, remaining: int, reason: str, ceiling: float = float("inf")) -> Plain:
-        """Plain generation; `ceiling`: the fastest speculation could be (unknown: inf)."""
-        if self._stream_open or self.client_streams:  # the loop keeps an open stream
-            return Plain(remaining, True, self._recheck_after(ceiling), reason)
-        # One answer: it cannot be closed early, but costs the proxy host one event where
-        # a stream costs one per token.
-        return Plain(remaining, False, None, reason)
-
-    def _recheck_after(self, ceiling: float) -> int | None:
-        """Stream tokens before the next decision: SHADOW_EVERY, or, when not even a tree
-        all accepted would beat the open stream by BAND, what the stream gives in a
-        half-life (the estimates are stale by then; None: not within this stream)."""
+        """Plain generation; `ceiling`: the fastest speculation could be (unknown: inf).
+        A stream, read SHADOW_EVERY tokens at a time, while a tree could still beat it by
+        BAND (this tree lost, a later one may not); else a half-life's worth of tokens at
+        a time (the estimates are stale by then), or, for a client that does not stream,
+        one answer: it cannot be closed early, but costs the proxy host one event where a
+        stream costs one per token."""
         stream_rate = self.policy.stream_rate()
         if ceiling > (1 + BAND) * stream_rate:
-            return SHADOW_EVERY
-        if math.isinf(stream_rate):
-            return None
-        return max(SHADOW_EVERY, int(HALF_LIFE_S * stream_rate))
+            return Plain(remaining, True, SHADOW_EVERY, reason)
+        if not (self._stream_open or self.client_streams):
+            return Plain(remaining, False, None, reason)
+        if math.isinf(stream_rate):  # never measured: no spacing to go by
+            return Plain(remaining, True, None, reason)
+        return Plain(remaining, True, max(SHADOW_EVERY, int(HALF_LIFE_S * stream_rate)), reason)
 
     def record(self, outcome: Outcome) -> None:
         policy = self.policy
