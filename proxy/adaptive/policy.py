@@ -315,7 +315,8 @@ class RequestPolicy:
                 numbers |= {"stream": decision.stream, "recheck_after": decision.recheck_after}
             policy.trace({"t": policy.clock(), "request": self.request_id, "decision": kind,
                           "reason": decision.reason, "nodes": tree.num_nodes,
-                          "remaining": remaining, **numbers})  # fmt: skip
+                          "remaining": remaining, "in_flight": policy.in_flight,
+                          **numbers})  # fmt: skip
         return decision
 
     def _decide(
