@@ -330,16 +330,30 @@ def test_a_stream_no_tree_could_beat_is_read_on_without_drafting():
     assert isinstance(doubtful, Plain) and doubtful.recheck_after == SHADOW_EVERY
 
 
-def test_a_client_that_does_not_stream_gets_one_answer_only_when_no_tree_could_win():
+def test_a_client_that_does_not_stream_gets_one_answer_unless_trees_have_lately_won():
     """One answer cannot be closed early: the whole rest of the request stays plain. A
-    tree that loses (the drafter had nothing here) does not decide that when a better
-    tree could win; only the ceiling does."""
+    tree that loses (the drafter had nothing here) does not decide that while trees
+    elsewhere win, nor for the one request per half-life that looks for them; where no
+    tree could win, nothing does."""
     clock = Clock()
     cheap = Policy(clock=clock)
     measured(cheap, clock, call_s=0.02, per_prompt_s=0.001, plain_token_s=0.01)
     nothing_drafted = tree_of([[0.01]], budget=1)
-    doubtful = decide(cheap, nothing_drafted, streams=False, remaining=512)
-    assert doubtful == Plain(512, True, SHADOW_EVERY, "plain_faster")
+    drafted = Plain(512, True, SHADOW_EVERY, "plain_faster")
+    one_answer = Plain(512, False, None, "plain_faster")
+    # No request has speculated: one looks, the others get one answer ...
+    looks = [decide(cheap, nothing_drafted, streams=False, remaining=512) for _ in range(3)]
+    assert looks == [drafted, one_answer, one_answer]
+    clock.now += HALF_LIFE_S * 1.01  # ... until a half-life later
+    assert decide(cheap, nothing_drafted, streams=False, remaining=512) == drafted
+    assert decide(cheap, nothing_drafted, streams=False, remaining=512) == one_answer
+    # A request speculated on its tree: every loser drafts on for a half-life.
+    assert isinstance(decide(cheap), Speculate)
+    assert decide(cheap, nothing_drafted, streams=False, remaining=512) == drafted
+    assert decide(cheap, nothing_drafted, streams=False, remaining=512) == drafted
+    clock.now += HALF_LIFE_S * 1.01
+    assert decide(cheap, nothing_drafted, streams=False, remaining=512) == drafted  # the look
+    assert decide(cheap, nothing_drafted, streams=False, remaining=512) == one_answer
     dear = Policy(clock=clock)
     measured(dear, clock, call_s=0.2, per_prompt_s=0.01, plain_token_s=0.02)
     assert decide(dear, streams=False, remaining=512) == Plain(512, False, None, "plain_faster")

@@ -141,6 +141,9 @@ class Policy:
         self.decisions: Counter[tuple[str, str]] = Counter()  # (kind, reason)
         self.prevailing: str = "plain"  # the side of the latest decision, for new requests
         self._claimed = {"speculate": -float("inf"), "plain": -float("inf")}
+        # The last decision to speculate on a tree's predicted rate, and the last plain
+        # request sent to look for such trees without one (`worth_drafting`).
+        self.speculated_at = self._looked_at = -float("inf")
         self._next_request = 0
         self.in_flight = 0  # requests on this target begun and not Finished
         # Several upstream replicas: one policy each (their costs differ), by replica name.
@@ -188,10 +191,9 @@ class Policy:
         each waits for what the round asks beyond a one-prompt call (its other prompts
         and their tokens) -- time the round takes from the server, not only from its
         own request."""
-        per_call, per_prompt, per_token = self.calls.coefficients()
         prompts, tokens = np.asarray(num_prompts), np.asarray(computed_tokens)
-        call = per_call + per_prompt * prompts + per_token * tokens
-        extra = per_prompt * (prompts - 1) + per_token * (tokens - tokens / prompts)
+        call = self.calls.seconds(prompts, tokens)
+        extra = call - self.calls.seconds(1, tokens / prompts)
         others = max(0, self.in_flight - 1)
         return call + others * extra + (self.overhead.ratio() or 0.0)
 
@@ -217,6 +219,19 @@ class Policy:
         """Predicted tokens per second of an open plain stream."""
         per_token = float(self.plain.coefficients()[1])
         return 1.0 / per_token if per_token > 0 else float("inf")
+
+    def worth_drafting(self) -> bool:
+        """Should a plain request that may take the rest as one answer stream instead,
+        drafting as it goes? Yes if a request speculated on a tree's predicted rate
+        within the last half-life; if none did, yes for one request per half-life (its
+        trees re-measure the chance, as a stale estimate is re-measured)."""
+        now = self.clock()
+        if now - self.speculated_at <= HALF_LIFE_S:
+            return True
+        if now - self._looked_at <= HALF_LIFE_S:
+            return False
+        self._looked_at = now
+        return True
 
     def measured_at(self, side: str) -> float:
         """When `side`'s estimate was last measured or a re-measurement claimed."""
@@ -362,6 +377,7 @@ class RequestPolicy:
         if go_plain:
             numbers["ceiling"] = ceiling = policy.speculation_ceiling(max_depth)
             return self._plain(remaining, "plain_faster", ceiling), numbers
+        policy.speculated_at = policy.clock()
         return Speculate(best, "speculation_faster"), numbers
 
     def _ages(self) -> dict[str, float]:
@@ -374,13 +390,16 @@ class RequestPolicy:
         """Plain generation; `ceiling`: the fastest speculation could be (unknown: inf).
         A stream, read SHADOW_EVERY tokens at a time, while a tree could still beat it by
         BAND (this tree lost, a later one may not); else a half-life's worth of tokens at
-        a time (the estimates are stale by then), or, for a client that does not stream,
-        one answer: it cannot be closed early, but costs the proxy host one event where a
-        stream costs one per token."""
+        a time (the estimates are stale by then). For a client that does not stream, one
+        answer -- it cannot be closed early, but costs both hosts one event where a
+        stream costs one per token -- unless a tree could win and trees have lately
+        (`Policy.worth_drafting`)."""
         stream_rate = self.policy.stream_rate()
-        if ceiling > (1 + BAND) * stream_rate:
+        could_win = ceiling > (1 + BAND) * stream_rate
+        streaming = self._stream_open or self.client_streams
+        if could_win and (streaming or self.policy.worth_drafting()):
             return Plain(remaining, True, SHADOW_EVERY, reason)
-        if not (self._stream_open or self.client_streams):
+        if not streaming:
             return Plain(remaining, False, None, reason)
         if math.isinf(stream_rate):  # never measured: no spacing to go by
             return Plain(remaining, True, None, reason)
