@@ -233,6 +233,20 @@ def test_calls_timed_at_another_load_are_remeasured_not_extrapolated():
     assert isinstance(decide(policy), Speculate)  # alone again: the first fit holds
 
 
+def test_calls_of_one_size_do_not_make_a_larger_tree_look_dear():
+    """Rounds of the root alone (the drafter had nothing) cannot tell the call's cost
+    from its prompt's: it is charged to the call, so the first tree worth a round gets
+    one (which then measures what a prompt costs)."""
+    clock = Clock()
+    policy = Policy(clock=clock)
+    request = policy.request(can_plain=True, seeded=False, client_streams=True)
+    for _ in range(4):
+        request.record(RoundResult(tree_of([[0.5]]), [], 1, 0.03, 0.03, 1, 1))
+        request.record(PlainTokens([0] * 64, 64, 64 * 0.02, ended=True, first=(1, 0.02)))
+    request.record(Finished())
+    assert isinstance(decide(policy), Speculate)
+
+
 def test_a_request_switches_only_past_the_band():
     clock = Clock()
     policy = Policy(clock=clock)

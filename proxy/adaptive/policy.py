@@ -132,8 +132,10 @@ class Policy:
         self.clock = clock
         self.trace = trace  # gets one record per decision
         # Verification: (prompts, computed tokens) -> s, timed at a number of requests in
-        # flight (the fit for now uses the calls timed near the current number).
-        self.calls = LinearCost(2, clock)
+        # flight (the fit for now uses the calls timed near the current number). What
+        # calls of one size cannot split is charged to the call, not its prompts: a
+        # larger tree then looks cheap, and its first round measures it.
+        self.calls = LinearCost(2, clock, ridged=(False, True, True))
         # A plain stretch: (tokens) -> s. What its stretches cannot tell apart (all of one
         # length) is charged to the opening, not the tokens: extrapolated to a longer
         # stretch, plain then looks fast, and plain is never slower than the target alone.
