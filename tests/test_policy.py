@@ -172,10 +172,7 @@ def test_rounds_that_pay_alone_lose_when_other_requests_share_the_steps():
     clock = Clock()
     policy = Policy(clock=clock)
     # Each prompt costs 4 ms of the engine's steps: alone, rounds of the sure chain win.
-    # (Timed beside one other request: a fit for 1 to 4 requests in flight.)
-    beside = policy.request(can_plain=True, seeded=False, client_streams=True)
     measured(policy, clock, call_s=0.02, per_prompt_s=0.004, plain_token_s=0.015)
-    beside.record(Finished())
     assert isinstance(decide(policy), Speculate)
     # Three more requests in flight wait for every extra prompt too.
     others = [policy.request(can_plain=True, seeded=False, client_streams=True) for _ in range(3)]
@@ -191,11 +188,7 @@ def test_a_round_is_charged_for_the_requests_on_its_own_replica():
     clock = Clock()
     root = Policy(clock=clock)
     here, there = root.for_replica("http://a"), root.for_replica("http://b")
-    # Timed beside one other request: a fit for 1 to 4 requests in flight.
-    beside = root.request(can_plain=True, seeded=False, client_streams=True,
-                          replica=lambda: "http://a")  # fmt: skip
     measured(here, clock, call_s=0.02, per_prompt_s=0.004, plain_token_s=0.015)
-    beside.record(Finished())
     serving = {"url": "http://b"}
     others = [root.request(can_plain=True, seeded=False, client_streams=True,
                            replica=lambda: serving["url"]) for _ in range(3)]  # fmt: skip
@@ -208,43 +201,6 @@ def test_a_round_is_charged_for_the_requests_on_its_own_replica():
         other.record(Finished())
     assert isinstance(decide(here), Speculate)
     assert here.in_flight == there.in_flight == root.in_flight == 0
-
-
-def test_calls_timed_at_another_load_are_remeasured_not_extrapolated():
-    """What a prompt adds to a shared step depends on what else the step serves: a fit
-    made with one request in flight says nothing about sixteen, nor one about four."""
-    clock = Clock()
-    policy = Policy(clock=clock)
-    measured(policy, clock, call_s=0.02, per_prompt_s=0.001, plain_token_s=0.015)
-    assert isinstance(decide(policy), Speculate)
-    others = [policy.request(can_plain=True, seeded=False, client_streams=True) for _ in range(15)]
-    busy = [decide(policy) for _ in range(3)]
-    assert [d.reason for d in busy] == ["remeasure_speculation"] + 2 * ["speculation_unmeasured"]
-    # Rounds at this load cost each other request 40 ms a prompt: plain from then on.
-    timed = policy.request(can_plain=True, seeded=False, client_streams=True)
-    for num_prompts in (1, 5, 9):
-        seconds = 0.02 + 0.04 * num_prompts
-        timed.record(RoundResult(tree_of(SURE_CHAIN), [1, 2, 3, 4], 5, seconds, seconds,
-                                 num_prompts, num_prompts))  # fmt: skip
-    timed.record(Finished())
-    assert isinstance(decide(policy), Plain)
-    for other in others:
-        other.record(Finished())
-    assert isinstance(decide(policy), Speculate)  # alone again: the first fit holds
-
-
-def test_calls_of_one_size_do_not_make_a_larger_tree_look_dear():
-    """Rounds of the root alone (the drafter had nothing) cannot tell the call's cost
-    from its prompt's: it is charged to the call, so the first tree worth a round gets
-    one (which then measures what a prompt costs)."""
-    clock = Clock()
-    policy = Policy(clock=clock)
-    request = policy.request(can_plain=True, seeded=False, client_streams=True)
-    for _ in range(4):
-        request.record(RoundResult(tree_of([[0.5]]), [], 1, 0.03, 0.03, 1, 1))
-        request.record(PlainTokens([0] * 64, 64, 64 * 0.02, ended=True, first=(1, 0.02)))
-    request.record(Finished())
-    assert isinstance(decide(policy), Speculate)
 
 
 def test_a_request_switches_only_past_the_band():

@@ -7,8 +7,7 @@ side not measured for a while keeps its last value but counts as stale (`Fading.
   fit over the recent calls (`nonnegative_ridge`): a verification call's
   seconds = per_call + per_prompt * prompts + per_token * computed (prompts = tree
   nodes + 1, the root; computed = tokens the target had not processed, summed over the
-  prompts), a plain stretch's seconds = opening + per_token * tokens. A verification
-  call's fit uses the calls timed at a load (requests in flight) near the current one.
+  prompts), a plain stretch's seconds = opening + per_token * tokens.
 * `Fading` -- faded sums: a rate (tokens, seconds) or a mean (sum, count).
 * `Calibration` -- how often a drafted node is really accepted, per bin of the drafter's
   own conditional probability of it.
@@ -37,11 +36,6 @@ HALF_LIFE_S = 10.0
 # what the calls cannot (e.g. per-call vs per-prompt cost when every call had the same
 # size).
 RIDGE = 1e-3
-# A fit uses the calls timed with at most this factor more or fewer requests in flight
-# than now: what a prompt adds to a shared engine step depends on what else the step
-# serves (nearly free while reading the weights dominates, not once compute does), which
-# one linear fit over every load cannot follow.
-LOAD_RATIO = 2.0
 # Observations a fit keeps (at the decay above, older ones weigh nearly nothing on a
 # busy server; the cap bounds the work of one fit).
 MAX_CALLS = 256
@@ -135,9 +129,7 @@ def ridge_system(
 class LinearCost:
     """seconds = coefficients . (1, features...), fitted over the recent observations
     (`nonnegative_ridge`, each row weighted by its age's `decay`; `ridged`: the
-    coefficients the ridge holds down, default all). An observation may carry the
-    `load` it was timed at (requests in flight); a fit for a load uses the rows within
-    LOAD_RATIO of it and those without one."""
+    coefficients the ridge holds down, default all)."""
 
     def __init__(
         self, num_features: int, clock: Clock, ridged: tuple[bool, ...] | None = None
@@ -145,54 +137,36 @@ class LinearCost:
         self._clock = clock
         self._num_cols = num_features + 1
         self._ridged = None if ridged is None else np.asarray(ridged, dtype=bool)
-        # (t, load or nan, features..., s)
-        self._rows: deque[tuple[float, ...]] = deque(maxlen=MAX_CALLS)
-        self._fits: dict[float | None, np.ndarray] = {}  # by load, until the next row
+        self._rows: deque[tuple[float, ...]] = deque(maxlen=MAX_CALLS)  # (t, features, s)
+        self._theta: np.ndarray | None = None
         self.updated: float | None = None
 
-    def observe(self, *features_and_seconds: float, load: float | None = None) -> None:
+    def observe(self, *features_and_seconds: float) -> None:
         assert len(features_and_seconds) == self._num_cols, features_and_seconds
         now = self._clock()
-        self._rows.append((now, math.nan if load is None else load, *features_and_seconds))
-        self._fits = {}
+        self._rows.append((now, *features_and_seconds))
+        self._theta = None
         self.updated = now
 
     @property
     def num_rows(self) -> int:
         return len(self._rows)
 
-    def _near(self, load: float | None) -> np.ndarray:
-        """[rows, 2 + features + 1] the rows a fit for `load` uses (None: all)."""
-        data = np.asarray(self._rows, dtype=np.float64).reshape(-1, self._num_cols + 2)
-        if load is None:
-            return data
-        at = data[:, 1]
-        return data[np.isnan(at) | ((at <= LOAD_RATIO * load) & (at * LOAD_RATIO >= load))]
-
-    def rows_near(self, load: float | None) -> int:
-        """Rows a fit for `load` uses."""
-        return len(self._near(load))
-
-    def updated_near(self, load: float | None) -> float | None:
-        """The clock at the latest row a fit for `load` uses."""
-        data = self._near(load)
-        return float(data[-1, 0]) if len(data) else None
-
-    def coefficients(self, load: float | None = None) -> np.ndarray:
-        """[1 + features] seconds per unit of each, fitted for `load` (None: over every
-        row); zeros without a row to fit. (Fading scales every row's weight alike as
-        time passes, so a fit changes only when a row is added.)"""
-        if load not in self._fits:
-            data = self._near(load)
-            if not len(data):
+    def coefficients(self) -> np.ndarray:
+        """[1 + features] seconds per unit of each; zeros before any observation.
+        (Fading scales every row's weight alike as time passes, so the fit changes only
+        when a row is added.)"""
+        if self._theta is None:
+            if not self._rows:
                 return np.zeros(self._num_cols)
-            rows = np.column_stack([np.ones(len(data)), data[:, 2:]])
+            data = np.asarray(self._rows)
+            rows = np.column_stack([np.ones(len(data)), data[:, 1:]])
             weights = np.array([decay(data[-1, 0] - t) for t in data[:, 0]])
-            self._fits[load] = nonnegative_ridge(rows, weights, self._ridged)
-        return self._fits[load]
+            self._theta = nonnegative_ridge(rows, weights, self._ridged)
+        return self._theta
 
-    def seconds(self, *features: np.ndarray | float, load: float | None = None) -> np.ndarray:
-        theta = self.coefficients(load)
+    def seconds(self, *features: np.ndarray | float) -> np.ndarray:
+        theta = self.coefficients()
         return theta[0] + sum(c * np.asarray(f) for c, f in zip(theta[1:], features, strict=True))
 
 

@@ -131,11 +131,7 @@ class Policy:
     ) -> None:
         self.clock = clock
         self.trace = trace  # gets one record per decision
-        # Verification: (prompts, computed tokens) -> s, timed at a number of requests in
-        # flight (the fit for now uses the calls timed near the current number). What
-        # calls of one size cannot split is charged to the call, not its prompts: a
-        # larger tree then looks cheap, and its first round measures it.
-        self.calls = LinearCost(2, clock, ridged=(False, True, True))
+        self.calls = LinearCost(2, clock)  # verification: (prompts, computed tokens) -> s
         # A plain stretch: (tokens) -> s. What its stretches cannot tell apart (all of one
         # length) is charged to the opening, not the tokens: extrapolated to a longer
         # stretch, plain then looks fast, and plain is never slower than the target alone.
@@ -196,8 +192,8 @@ class Policy:
         and their tokens) -- time the round takes from the server, not only from its
         own request."""
         prompts, tokens = np.asarray(num_prompts), np.asarray(computed_tokens)
-        call = self.calls.seconds(prompts, tokens, load=self.load())
-        extra = call - self.calls.seconds(1, tokens / prompts, load=self.load())
+        call = self.calls.seconds(prompts, tokens)
+        extra = call - self.calls.seconds(1, tokens / prompts)
         others = max(0, self.in_flight - 1)
         return call + others * extra + (self.overhead.ratio() or 0.0)
 
@@ -224,14 +220,6 @@ class Policy:
         per_token = float(self.plain.coefficients()[1])
         return 1.0 / per_token if per_token > 0 else float("inf")
 
-    def load(self) -> int:
-        """Requests in flight, the deciding one included: the load a call fit is for."""
-        return max(1, self.in_flight)
-
-    def calls_measured(self) -> bool:
-        """Has a verification call been timed at about the current load?"""
-        return self.calls.rows_near(self.load()) > 0
-
     def worth_drafting(self) -> bool:
         """Should a plain request that may take the rest as one answer stream instead,
         drafting as it goes? Yes if a request speculated on a tree's predicted rate
@@ -247,10 +235,7 @@ class Policy:
 
     def measured_at(self, side: str) -> float:
         """When `side`'s estimate was last measured or a re-measurement claimed."""
-        if side == "speculate":
-            updated = self.calls.updated_near(self.load())
-        else:
-            updated = self.plain.updated
+        updated = (self.calls if side == "speculate" else self.plain).updated
         return max(self._claimed[side], -float("inf") if updated is None else updated)
 
     def claim(self, side: str) -> bool:
@@ -263,7 +248,7 @@ class Policy:
         return True
 
     def snapshot(self) -> dict[str, Any]:
-        per_call, per_prompt, per_token = self.calls.coefficients(self.load())
+        per_call, per_prompt, per_token = self.calls.coefficients()
         opening, plain_per_token = self.plain.coefficients()
         return {
             "call_s": float(per_call),
@@ -354,7 +339,7 @@ class RequestPolicy:
     ) -> tuple[Decision, dict[str, Any]]:
         policy = self.policy
         if not self.can_plain:
-            if not policy.calls_measured():
+            if policy.calls.num_rows == 0:
                 return Speculate(tree.num_nodes, "speculation_unmeasured"), {}
             rates = policy.round_rates(tree, unseen_tokens)
             best = int(np.argmax(rates))
@@ -376,10 +361,9 @@ class RequestPolicy:
         if self.side == "speculate" and policy.claim("plain"):
             plain = Plain(min(SHADOW_EVERY, remaining), True, None, "remeasure_plain")
             return plain, ages
-        if not policy.calls_measured():
-            # Another request's round is measuring speculation; with no call timed at
-            # this load a round's predicted cost is zero (an infinite rate), so nothing
-            # to compare.
+        if policy.calls.num_rows == 0:
+            # Another request's round is measuring speculation; with no call timed yet
+            # a round's predicted cost is zero (an infinite rate), so nothing to compare.
             return self._plain(remaining, "speculation_unmeasured"), ages
         rates = policy.round_rates(tree, unseen_tokens)
         best = int(np.argmax(rates))
@@ -427,8 +411,9 @@ class RequestPolicy:
             # A round that a failover moved timed two replicas and the failure between
             # them: its acceptance is real, its cost is neither replica's.
             if self.replica() == self._decided_on:
-                policy.calls.observe(outcome.num_prompts, outcome.computed_tokens,
-                                     outcome.call_seconds, load=policy.load())  # fmt: skip
+                policy.calls.observe(
+                    outcome.num_prompts, outcome.computed_tokens, outcome.call_seconds
+                )
                 policy.overhead.add(max(0.0, outcome.seconds - outcome.call_seconds), 1.0)
             policy.calibration.observe(outcome.tree, outcome.accepted_nodes)
         elif isinstance(outcome, PlainTokens):
