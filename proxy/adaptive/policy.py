@@ -392,7 +392,7 @@ class RequestPolicy:
         BAND (this tree lost, a later one may not); else a half-life's worth of tokens at
         a time (the estimates are stale by then). For a client that does not stream, one
         answer -- it cannot be closed early, but costs both hosts one event where a
-        stream costs one per token -- unless a tree could win and trees have lately
+        stream costs one per token -- unless a tree could win and trees have lately won
         (`Policy.worth_drafting`)."""
         stream_rate = self.policy.stream_rate()
         could_win = ceiling > (1 + BAND) * stream_rate
