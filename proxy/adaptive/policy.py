@@ -394,10 +394,11 @@ class RequestPolicy:
         answer -- it cannot be closed early, but costs both hosts one event where a
         stream costs one per token -- unless a tree could win and trees have lately won
         (`Policy.worth_drafting`)."""
-        stream_rate = self.policy.stream_rate()
+        policy = self.policy
+        stream_rate = policy.stream_rate()
         could_win = ceiling > (1 + BAND) * stream_rate
         streaming = self._stream_open or self.client_streams
-        if could_win and (streaming or self.policy.worth_drafting()):
+        if could_win and (streaming or policy.worth_drafting()):
             return Plain(remaining, True, SHADOW_EVERY, reason)
         if not streaming:
             return Plain(remaining, False, None, reason)
