@@ -25,6 +25,7 @@ from proxy.adaptive.policy import (
     RoundResult,
     Speculate,
 )
+from proxy.round import root_only
 from proxy.tree import DraftDistribution, build_tree
 
 
@@ -260,6 +261,22 @@ def test_the_older_side_is_remeasured_by_one_request():
                       Speculate)  # fmt: skip
     probe = request.decide(tree_of(SURE_CHAIN), position=12, unseen_tokens=3, remaining=64, max_depth=4)
     assert probe == Plain(SHADOW_EVERY, True, None, "remeasure_plain")
+
+
+def test_speculation_is_remeasured_on_a_tree_with_nodes():
+    # An empty tree (the drafter guessed nothing) would verify one prompt: a call that
+    # cannot tell the per-call cost from the per-prompt one, whatever the load. The
+    # re-measurement waits for a tree with nodes, and takes it whole.
+    clock = Clock()
+    policy = Policy(clock=clock)
+    measured(policy, clock, call_s=0.2, per_prompt_s=0.01, plain_token_s=0.02)  # plain wins
+    clock.now += 2 * HALF_LIFE_S
+    request = policy.request(can_plain=True, seeded=False, client_streams=True)
+    request.record(PlainTokens([0] * 64, 64, 64 * 0.02, ended=True))  # plain measured now
+    empty = [decide(policy, root_only(1)) for _ in range(3)]
+    assert all(isinstance(d, Plain) for d in empty)
+    probe = decide(policy)
+    assert probe == Speculate(tree_of(SURE_CHAIN).num_nodes, "remeasure_speculation")
 
 
 def test_short_plain_requests_do_not_make_long_ones_speculate():

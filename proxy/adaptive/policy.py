@@ -352,7 +352,9 @@ class RequestPolicy:
         if policy.plain.num_rows == 0:
             return self._plain(remaining, "plain_unmeasured"), {}
         ages = self._ages()
-        if policy.claim("speculate"):
+        # An empty tree is a one-prompt call, which cannot tell the per-call cost from
+        # the per-prompt one: the re-measurement waits for a tree with nodes.
+        if tree.num_nodes and policy.claim("speculate"):
             self._num_remeasured += 1
             # Alternately the whole tree and half of it: calls of two sizes tell the
             # per-call cost from the per-prompt one.
