@@ -263,10 +263,10 @@ def test_the_older_side_is_remeasured_by_one_request():
     assert probe == Plain(SHADOW_EVERY, True, None, "remeasure_plain")
 
 
-def test_speculation_is_remeasured_on_a_tree_with_nodes():
-    # An empty tree (the drafter guessed nothing) would verify one prompt: a call that
-    # cannot tell the per-call cost from the per-prompt one, whatever the load. The
-    # re-measurement waits for a tree with nodes, and takes it whole.
+def test_speculation_is_remeasured_by_two_rounds_of_two_sizes():
+    # Calls of one size cannot tell the per-call cost from the per-prompt one, and an
+    # empty tree (the drafter guessed nothing) is a one-prompt call whatever the load.
+    # The re-measurement waits for a tree with nodes, takes it whole, then half a tree.
     clock = Clock()
     policy = Policy(clock=clock)
     measured(policy, clock, call_s=0.2, per_prompt_s=0.01, plain_token_s=0.02)  # plain wins
@@ -275,8 +275,13 @@ def test_speculation_is_remeasured_on_a_tree_with_nodes():
     request.record(PlainTokens([0] * 64, 64, 64 * 0.02, ended=True))  # plain measured now
     empty = [decide(policy, root_only(1)) for _ in range(3)]
     assert all(isinstance(d, Plain) for d in empty)
-    probe = decide(policy)
-    assert probe == Speculate(tree_of(SURE_CHAIN).num_nodes, "remeasure_speculation")
+    probe = policy.request(can_plain=True, seeded=False, client_streams=True)
+    rounds = [probe.decide(tree_of(SURE_CHAIN), position=100, unseen_tokens=1, remaining=64,
+                           max_depth=4) for _ in range(2)]  # fmt: skip
+    whole = tree_of(SURE_CHAIN).num_nodes
+    assert rounds == [Speculate(whole, "remeasure_speculation"),
+                      Speculate(whole // 2, "remeasure_speculation")]  # fmt: skip
+    assert isinstance(decide(policy), Plain)  # one request re-measures
 
 
 def test_short_plain_requests_do_not_make_long_ones_speculate():
