@@ -266,7 +266,8 @@ def test_the_older_side_is_remeasured_by_one_request():
 def test_speculation_is_remeasured_by_two_rounds_of_two_sizes():
     # Calls of one size cannot tell the per-call cost from the per-prompt one, and an
     # empty tree (the drafter guessed nothing) is a one-prompt call whatever the load.
-    # The re-measurement waits for a tree with nodes, takes it whole, then half a tree.
+    # The re-measurement waits for a tree with nodes, takes it whole, then at most half as
+    # many nodes of the next tree, whatever its size.
     clock = Clock()
     policy = Policy(clock=clock)
     measured(policy, clock, call_s=0.2, per_prompt_s=0.01, plain_token_s=0.02)  # plain wins
@@ -276,11 +277,12 @@ def test_speculation_is_remeasured_by_two_rounds_of_two_sizes():
     empty = [decide(policy, root_only(1)) for _ in range(3)]
     assert all(isinstance(d, Plain) for d in empty)
     probe = policy.request(can_plain=True, seeded=False, client_streams=True)
-    rounds = [probe.decide(tree_of(SURE_CHAIN), position=100, unseen_tokens=1, remaining=64,
-                           max_depth=4) for _ in range(2)]  # fmt: skip
-    whole = tree_of(SURE_CHAIN).num_nodes
-    assert rounds == [Speculate(whole, "remeasure_speculation"),
-                      Speculate(whole // 2, "remeasure_speculation")]  # fmt: skip
+    small, large = tree_of([[0.9]] * 3, budget=3), tree_of(SURE_CHAIN)
+    assert small.num_nodes == 3 and large.num_nodes == 8
+    rounds = [probe.decide(tree, position=100, unseen_tokens=1, remaining=64, max_depth=4)
+              for tree in (small, large)]  # fmt: skip
+    assert rounds == [Speculate(3, "remeasure_speculation"),
+                      Speculate(1, "remeasure_speculation")]  # fmt: skip
     assert isinstance(decide(policy), Plain)  # one request re-measures
 
 

@@ -12,7 +12,7 @@ rule with the numbers that decide it; in short:
 * a request changes side only when the other side is faster by BAND;
 * every estimate fades with one half-life (`estimates.HALF_LIFE_S`), and when one side's
   estimate is a half-life older than the other's, one request re-measures it: two rounds
-  (a whole tree, then half of the next), or a plain stretch of SHADOW_EVERY tokens.
+  (a whole tree, then at most half its nodes), or a plain stretch of SHADOW_EVERY tokens.
 
 Exceptions: a target that cannot generate plainly (engine mode) always speculates,
 choosing n (0: the root alone, one plain step); a seeded request is generated plainly in
@@ -275,7 +275,7 @@ class RequestPolicy:
     side: str = ""  # "speculate" or "plain": where the request is now
     _stream_open: bool = False
     _plain_failed: bool = False
-    _halve_next: bool = False  # the second round of a re-measurement is due
+    _second_round: int | None = None  # nodes of a re-measurement's second round, when due
     _decided_on: str | None = None  # the replica serving the request at the last decision
     _counted_on: Policy | None = None  # the replica policy whose in_flight counts it
     _shadows: list[_Shadow] = field(default_factory=list)
@@ -352,16 +352,16 @@ class RequestPolicy:
         if policy.plain.num_rows == 0:
             return self._plain(remaining, "plain_unmeasured"), {}
         ages = self._ages()
-        # A re-measurement of speculation is two rounds in a row, the whole tree and then
-        # half of the next one: calls of two sizes at the present load tell the per-call
-        # cost from the per-prompt one, which calls of one size (after an idle gap, the
-        # fit's only recent rows) leave to the ridge. An empty tree is a one-prompt call
-        # and tells neither: the re-measurement waits for a tree with nodes.
-        if self._halve_next:
-            self._halve_next = False
-            return Speculate(tree.num_nodes // 2, "remeasure_speculation"), ages
+        # A re-measurement of speculation is two rounds in a row, a whole tree and then at
+        # most half as many nodes: calls of two sizes at the present load tell the
+        # per-call cost from the per-prompt one, which calls of one size (after an idle
+        # gap, the fit's only recent rows) leave to the ridge. An empty tree is a
+        # one-prompt call and tells neither: the re-measurement waits for a tree with nodes.
+        if self._second_round is not None:
+            nodes, self._second_round = min(self._second_round, tree.num_nodes), None
+            return Speculate(nodes, "remeasure_speculation"), ages
         if tree.num_nodes and policy.claim("speculate"):
-            self._halve_next = True
+            self._second_round = tree.num_nodes // 2
             return Speculate(tree.num_nodes, "remeasure_speculation"), ages
         if self.side == "speculate" and policy.claim("plain"):
             plain = Plain(min(SHADOW_EVERY, remaining), True, None, "remeasure_plain")
