@@ -239,13 +239,20 @@ def test_engine_mode_sizes_the_tree_and_never_goes_plain():
     assert hopeless == Speculate(0, "no_plain_generation")
 
 
-def test_the_older_side_is_remeasured_by_one_request():
+def stale_speculation() -> Policy:
+    """A policy on which plain wins, its speculation estimate two half-lives older than
+    plain's (just measured): due for a re-measurement."""
     clock = Clock()
     policy = Policy(clock=clock)
-    measured(policy, clock, call_s=0.2, per_prompt_s=0.01, plain_token_s=0.02)  # plain wins
+    measured(policy, clock, call_s=0.2, per_prompt_s=0.01, plain_token_s=0.02)
     clock.now += 2 * HALF_LIFE_S
     request = policy.request(can_plain=True, seeded=False, client_streams=True)
-    request.record(PlainTokens([0] * 64, 64, 64 * 0.02, ended=True))  # plain measured now
+    request.record(PlainTokens([0] * 64, 64, 64 * 0.02, ended=True))
+    return policy
+
+
+def test_the_older_side_is_remeasured_by_one_request():
+    policy = stale_speculation()
     claims = [decide(policy) for _ in range(4)]
     remeasured = [d for d in claims if d.reason == "remeasure_speculation"]
     assert len(remeasured) == 1 and isinstance(remeasured[0], Speculate)
@@ -268,12 +275,7 @@ def test_speculation_is_remeasured_by_two_rounds_of_two_sizes():
     # empty tree (the drafter guessed nothing) is a one-prompt call whatever the load.
     # The re-measurement waits for a tree with nodes, takes it whole, then at most half as
     # many nodes of the next tree, whatever its size.
-    clock = Clock()
-    policy = Policy(clock=clock)
-    measured(policy, clock, call_s=0.2, per_prompt_s=0.01, plain_token_s=0.02)  # plain wins
-    clock.now += 2 * HALF_LIFE_S
-    request = policy.request(can_plain=True, seeded=False, client_streams=True)
-    request.record(PlainTokens([0] * 64, 64, 64 * 0.02, ended=True))  # plain measured now
+    policy = stale_speculation()
     empty = [decide(policy, root_only(1)) for _ in range(3)]
     assert all(isinstance(d, Plain) for d in empty)
     probe = policy.request(can_plain=True, seeded=False, client_streams=True)
