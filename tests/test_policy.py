@@ -259,13 +259,13 @@ def test_engine_mode_sizes_the_tree_and_never_goes_plain():
     assert hopeless == Speculate(0, "no_plain_generation")
 
 
-def stale_speculation(idle_half_lives: float = 2) -> Policy:
-    """A policy on which plain wins, its speculation estimate `idle_half_lives` older than
+def stale_speculation() -> Policy:
+    """A policy on which plain wins, its speculation estimate two half-lives older than
     plain's (just measured): due for a re-measurement."""
     clock = Clock()
     policy = Policy(clock=clock)
     measured(policy, clock, call_s=0.2, per_prompt_s=0.01, plain_token_s=0.02)
-    clock.now += idle_half_lives * HALF_LIFE_S
+    clock.now += 2 * HALF_LIFE_S
     request = policy.request(can_plain=True, seeded=False, client_streams=True)
     request.record(PlainTokens([0] * 64, 64, 64 * 0.02, ended=True))
     return policy
@@ -290,66 +290,22 @@ def test_the_older_side_is_remeasured_by_one_request():
     assert probe == Plain(SHADOW_EVERY, True, None, "remeasure_plain")
 
 
-def remeasure(policy: Policy, trees: list) -> list:
-    """One request's decisions on `trees` in turn, each speculative round recorded as
-    verified whole at 0.2 s + 10 ms a prompt, one unseen token a prompt."""
-    request = policy.request(can_plain=True, seeded=False, client_streams=True)
-    decisions = []
-    for tree in trees:
-        decision = request.decide(tree, position=100, unseen_tokens=1, remaining=64, max_depth=4)
-        decisions.append(decision)
-        if isinstance(decision, Speculate) and decision.num_nodes:
-            prompts = decision.num_nodes + 1
-            computed = prompts + int(tree.depths[1 : prompts].sum())
-            request.record(RoundResult(tree, list(range(1, prompts)), prompts, 0.2 + 0.01 * prompts,
-                                       0.2 + 0.01 * prompts, prompts, computed))  # fmt: skip
-    request.record(Finished())
-    return decisions
-
-
-SMALL_TREE = [[0.9]] * 3  # three nodes, a chain
-
-
-def test_speculation_is_remeasured_by_two_rounds_of_two_sizes_after_an_idle_gap():
-    # After an idle gap the re-measurement's call is the only one that still weighs, and
-    # calls of one size cannot tell the per-call cost from the per-prompt one. An empty
-    # tree (the drafter guessed nothing) is a one-prompt call whatever the load. So the
-    # re-measurement waits for a tree with nodes, takes it whole, then at most half as
+def test_speculation_is_remeasured_by_two_rounds_of_two_sizes():
+    # Calls of one size cannot tell the per-call cost from the per-prompt one, and an
+    # empty tree (the drafter guessed nothing) is a one-prompt call whatever the load.
+    # The re-measurement waits for a tree with nodes, takes it whole, then at most half as
     # many nodes of the next tree, whatever its size.
-    policy = stale_speculation(idle_half_lives=20)
+    policy = stale_speculation()
     empty = [decide(policy, root_only(1)) for _ in range(3)]
     assert all(isinstance(d, Plain) for d in empty)
-    small, large = tree_of(SMALL_TREE, budget=3), tree_of(SURE_CHAIN)
+    probe = policy.request(can_plain=True, seeded=False, client_streams=True)
+    small, large = tree_of([[0.9]] * 3, budget=3), tree_of(SURE_CHAIN)
     assert small.num_nodes == 3 and large.num_nodes == 8
-    assert remeasure(policy, [small, large]) == [Speculate(3, "remeasure_speculation"),
-                                                 Speculate(1, "remeasure_speculation")]  # fmt: skip
+    rounds = [probe.decide(tree, position=100, unseen_tokens=1, remaining=64, max_depth=4)
+              for tree in (small, large)]  # fmt: skip
+    assert rounds == [Speculate(3, "remeasure_speculation"),
+                      Speculate(1, "remeasure_speculation")]  # fmt: skip
     assert isinstance(decide(policy), Plain)  # one request re-measures
-
-
-def test_a_remeasurement_is_one_round_when_the_calls_can_split_the_cost():
-    # Two half-lives after calls of several sizes, those calls still outweigh the ridge:
-    # the re-measurement's one call updates the fit, and the next tree is decided on it.
-    policy = stale_speculation(idle_half_lives=2)
-    small, large = tree_of(SMALL_TREE, budget=3), tree_of(SURE_CHAIN)
-    first, second = remeasure(policy, [small, large])
-    assert first == Speculate(3, "remeasure_speculation")
-    assert second.reason != "remeasure_speculation"
-
-
-def test_the_call_fit_knows_when_its_calls_split_the_cost():
-    clock = Clock()
-    cost = LinearCost(2, clock)
-    assert not cost.determined()
-    for _ in range(8):  # calls of one size: per call vs per prompt vs per token is open
-        cost.observe(9, 45, 0.3)
-        clock.now += 0.1
-    assert not cost.determined()
-    for num_prompts, computed in [(1, 1), (5, 20), (17, 60), (3, 900)]:
-        cost.observe(num_prompts, computed, 0.2 + 0.01 * num_prompts + 1e-4 * computed)
-    assert cost.determined()
-    clock.now += 30 * HALF_LIFE_S  # they fade to nothing; one new call of one size
-    cost.observe(9, 45, 0.3)
-    assert not cost.determined()
 
 
 def test_short_plain_requests_do_not_make_long_ones_speculate():

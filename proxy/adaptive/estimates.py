@@ -152,34 +152,18 @@ class LinearCost:
     def num_rows(self) -> int:
         return len(self._rows)
 
-    def _weighted_rows(self) -> tuple[np.ndarray, np.ndarray]:
-        """(rows [n, 1 + features + 1] = (1, features..., seconds), weights [n]), the
-        weights faded to the newest row's clock (fading scales every weight alike as time
-        passes, so a fit changes only when a row is added)."""
-        data = np.asarray(self._rows)
-        rows = np.column_stack([np.ones(len(data)), data[:, 1:]])
-        return rows, np.array([decay(data[-1, 0] - t) for t in data[:, 0]])
-
     def coefficients(self) -> np.ndarray:
-        """[1 + features] seconds per unit of each; zeros before any observation."""
+        """[1 + features] seconds per unit of each; zeros before any observation.
+        (Fading scales every row's weight alike as time passes, so the fit changes only
+        when a row is added.)"""
         if self._theta is None:
             if not self._rows:
                 return np.zeros(self._num_cols)
-            self._theta = nonnegative_ridge(*self._weighted_rows(), self._ridged)
+            data = np.asarray(self._rows)
+            rows = np.column_stack([np.ones(len(data)), data[:, 1:]])
+            weights = np.array([decay(data[-1, 0] - t) for t in data[:, 0]])
+            self._theta = nonnegative_ridge(rows, weights, self._ridged)
         return self._theta
-
-    def determined(self) -> bool:
-        """Do the observations fix every coefficient, not the ridge? True when the
-        weakest direction of their scaled, weighted design (its smallest eigenvalue, per
-        unit of evidence) outweighs RIDGE. Rows all of one size (calls of one number of
-        prompts, or old rows of other sizes faded to nearly nothing) leave the split
-        between the columns they do not vary to the ridge."""
-        if not self._rows:
-            return False
-        rows, weights = self._weighted_rows()
-        design = ridge_system(rows, weights, self._ridged)[0][: len(rows)]
-        weakest = float(np.linalg.eigvalsh(design.T @ design)[0])
-        return weakest > RIDGE * float(np.sum(weights))
 
     def seconds(self, *features: np.ndarray | float) -> np.ndarray:
         theta = self.coefficients()

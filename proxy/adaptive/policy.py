@@ -355,16 +355,14 @@ class RequestPolicy:
         if policy.plain.num_rows == 0:
             return self._plain(remaining, "plain_unmeasured"), {}
         ages = self._ages()
-        # A re-measurement of speculation verifies a whole tree, and if the calls timed
-        # so far still cannot tell the per-call cost from the per-prompt one (all of one
-        # size, e.g. after an idle gap, when the re-measurement's is the only recent
-        # call), at most half as many nodes of the next tree: a call of another size. An
-        # empty tree is a one-prompt call and tells neither: the re-measurement waits for
-        # a tree with nodes.
+        # A re-measurement of speculation is two rounds in a row, a whole tree and then at
+        # most half as many nodes: calls of two sizes at the present load tell the
+        # per-call cost from the per-prompt one, which calls of one size (after an idle
+        # gap, the fit's only recent rows) leave to the ridge. An empty tree is a
+        # one-prompt call and tells neither: the re-measurement waits for a tree with nodes.
         if self._second_round is not None:
             nodes, self._second_round = min(self._second_round, tree.num_nodes), None
-            if not policy.calls.determined():
-                return Speculate(nodes, "remeasure_speculation"), ages
+            return Speculate(nodes, "remeasure_speculation"), ages
         if tree.num_nodes and policy.claim("speculate"):
             self._second_round = tree.num_nodes // 2
             return Speculate(tree.num_nodes, "remeasure_speculation"), ages
