@@ -256,6 +256,7 @@ class Policy:
             "call_per_prompt_s": float(per_prompt),
             "call_per_token_s": float(per_token),
             "round_overhead_s": float(self.overhead.ratio() or 0.0),
+            "round_per_token_s": 1.0 / rate if (rate := self.rounds.ratio()) else 0.0,
             "plain_opening_s": float(opening),
             "plain_per_token_s": float(plain_per_token),
             "calibration": self.calibration.table(),
