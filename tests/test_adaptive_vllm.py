@@ -284,7 +284,7 @@ def test_served_default_policy_is_lossless_and_exposes_its_costs(vllm_server, tm
         assert ours["usage"]["ddtree"]["plain_tokens"] == ours["usage"]["completion_tokens"]
         metrics = scrape(proxy.url)
     for name in ("call_s", "call_per_prompt_s", "call_per_token_s", "round_overhead_s",
-                 "round_per_token_s", "plain_opening_s", "plain_per_token_s"):  # fmt: skip
+                 "plain_opening_s", "plain_per_token_s"):  # fmt: skip
         assert f'ddtree_policy_estimate{{name="{name}"}}' in metrics, name
     # Every decision is counted by kind and reason; both sides were taken.
     decisions = [sample for sample in metrics.samples

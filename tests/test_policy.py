@@ -169,26 +169,6 @@ def test_speculates_where_rounds_pay_and_steps_aside_where_they_do_not():
     assert isinstance(decide(fast, tree_of([[0.05, 0.04]] * 4)), Plain)
 
 
-def test_an_empty_tree_is_judged_by_what_rounds_have_lately_given():
-    # A round of the root alone (one token a call) is slower than plain here, but rounds
-    # of the sure chain have lately given five tokens a call: a tree the drafter left
-    # empty does not send the request plain for SHADOW_EVERY tokens. Where rounds have
-    # lately given about one token each, it does.
-    clock = Clock()
-    paying = Policy(clock=clock)
-    measured(paying, clock, call_s=0.025, per_prompt_s=0.001, plain_token_s=0.02)
-    assert decide(paying, root_only(1)) == Speculate(0, "speculation_faster")
-    # A tree with nodes is judged on its own.
-    assert isinstance(decide(paying, tree_of([[0.05, 0.04]] * 4)), Plain)
-    idle = Policy(clock=clock)
-    measured(idle, clock, call_s=0.025, per_prompt_s=0.001, plain_token_s=0.02)
-    request = idle.request(can_plain=True, seeded=False, client_streams=True)
-    for _ in range(30):
-        request.record(RoundResult(root_only(1), [], 1, 0.026, 0.026, 1, 1))
-    request.record(Finished())
-    assert isinstance(decide(idle, root_only(1)), Plain)
-
-
 def test_rounds_that_pay_alone_lose_when_other_requests_share_the_steps():
     clock = Clock()
     policy = Policy(clock=clock)

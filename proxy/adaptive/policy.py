@@ -137,7 +137,6 @@ class Policy:
         # stretch, plain then looks fast, and plain is never slower than the target alone.
         self.plain = LinearCost(1, clock, ridged=(False, True))
         self.overhead = Fading(2, clock)  # host time per round outside the call: (s, n)
-        self.rounds = Fading(2, clock)  # what rounds gave: (tokens, s), a measured rate
         self.calibration = Calibration(clock)
         self.decisions: Counter[tuple[str, str]] = Counter()  # (kind, reason)
         self.prevailing: str = "plain"  # the side of the latest decision, for new requests
@@ -256,7 +255,6 @@ class Policy:
             "call_per_prompt_s": float(per_prompt),
             "call_per_token_s": float(per_token),
             "round_overhead_s": float(self.overhead.ratio() or 0.0),
-            "round_per_token_s": 1.0 / rate if (rate := self.rounds.ratio()) else 0.0,
             "plain_opening_s": float(opening),
             "plain_per_token_s": float(plain_per_token),
             "calibration": self.calibration.table(),
@@ -377,12 +375,6 @@ class RequestPolicy:
         rates = policy.round_rates(tree, unseen_tokens)
         best = int(np.argmax(rates))
         spec_rate = float(rates[best])
-        if not tree.num_nodes and policy.rounds.ratio() is not None:
-            # The drafter guessed nothing here, which says little of the next trees (an
-            # n-gram drafter finds a match a token later), and plain is read on for
-            # SHADOW_EVERY tokens before the next decision: whether speculation is the
-            # faster side is told by what its rounds have lately given.
-            spec_rate = policy.rounds.ratio()
         plain_rate = policy.plain_rate(remaining, self._stream_open)
         numbers = {"spec_rate": spec_rate, "plain_rate": plain_rate, "best_nodes": best}
         if self.side == "speculate":
@@ -431,7 +423,6 @@ class RequestPolicy:
                     outcome.num_prompts, outcome.computed_tokens, outcome.call_seconds
                 )
                 policy.overhead.add(max(0.0, outcome.seconds - outcome.call_seconds), 1.0)
-                policy.rounds.add(outcome.num_tokens, outcome.seconds)
             policy.calibration.observe(outcome.tree, outcome.accepted_nodes)
         elif isinstance(outcome, PlainTokens):
             self._walk_shadows(outcome.committed)

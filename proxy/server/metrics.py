@@ -177,8 +177,7 @@ class PolicyCollector:
             "ddtree_policy_estimate",
             "The policy's estimates (seconds): verification call = call_s + "
             "call_per_prompt_s * prompts + call_per_token_s * computed tokens; round_overhead_s "
-            "= host time per round outside the call; round_per_token_s = what recent rounds took "
-            "per token they gave; plain stretch = plain_opening_s + "
+            "= host time per round outside the call; plain stretch = plain_opening_s + "
             "plain_per_token_s * tokens",
             labels=["name"],
         )
