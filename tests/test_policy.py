@@ -396,3 +396,14 @@ def test_every_decision_is_counted_and_traced():
     assert sum(policy.decisions.values()) == len(records) == 2
     assert {"t", "request", "decision", "reason", "remaining"} <= set(records[-1])
     assert records[-1]["spec_rate"] > 0 and records[-1]["plain_rate"] > 0
+
+
+def test_a_remeasuring_round_is_traced_with_the_nodes_it_verifies():
+    policy = stale_speculation()
+    records = []
+    policy.trace = records.append
+    probe = policy.request(can_plain=True, seeded=False, client_streams=True)
+    for tree in (tree_of([[0.9]] * 3, budget=3), tree_of(SURE_CHAIN)):
+        probe.decide(tree, position=100, unseen_tokens=1, remaining=64, max_depth=4)
+    assert [(r["reason"], r["nodes"], r["best_nodes"]) for r in records] == [
+        ("remeasure_speculation", 3, 3), ("remeasure_speculation", 8, 1)]
