@@ -46,7 +46,7 @@ import numpy as np
 from benchmarks import servers, upstream
 from benchmarks.adaptive import warm_upstream
 from benchmarks.adaptive_report import median_interval
-from benchmarks.adaptive_servers import MAX_MODEL_LEN, serve_upstream
+from benchmarks.adaptive_servers import MAX_MODEL_LEN, serve_upstream, sim_env
 from benchmarks.gpu_sim.server import DEFAULT_PROFILE
 from benchmarks.run import DEFAULT_TARGET_DIR, load_prompts, machine_info
 
@@ -177,12 +177,16 @@ def drained(url: str) -> dict:
 
 
 @contextlib.contextmanager
-def proxy(target_url: str, logs: Path, name: str, *flags: str) -> Iterator[servers.ServerProcess]:
+def proxy(
+    target_url: str, logs: Path, name: str, *flags: str, env: dict[str, str] | None = None
+) -> Iterator[servers.ServerProcess]:
+    """`ddtree-proxy serve` with `flags`, and `env` over this process's environment."""
     port = servers.free_port()
     command = [sys.executable, "-m", "proxy.cli", "serve", "--target-url", target_url,
                "--port", str(port), *flags]  # fmt: skip
     with servers.start(command, port=port, log_path=logs / f"ab-{name}.log",
-                       name=f"ddtree-proxy ({name})") as process:  # fmt: skip
+                       name=f"ddtree-proxy ({name})",
+                       env=None if env is None else os.environ | env) as process:  # fmt: skip
         yield process
 
 
@@ -231,7 +235,9 @@ def shadow_cost(vllm: upstream.Upstream, prompts: list[str], args, logs: Path) -
 def report_vs_measured(served, prompts: list[str], args, logs: Path) -> dict:
     """Part 2 for one upstream (see the module doc)."""
     clients = args.clients
-    with proxy(served.url, logs, f"ddtree-{served.name}") as ddtree:
+    # Behind the simulator, the policy's half-life stretched as its clock is.
+    env = sim_env(args.dilation) if served.sim else None
+    with proxy(served.url, logs, f"ddtree-{served.name}", env=env) as ddtree:
         run(ddtree.url, served.model, prompts[:clients], args, clients)  # a warm policy
         per_request: dict[str, list[float]] = {"direct": [], "ddtree": []}
         ratios = []
@@ -248,7 +254,7 @@ def report_vs_measured(served, prompts: list[str], args, logs: Path) -> dict:
             ratios.append(medians["ddtree"] / medians["direct"])
     flags = ("--ab-split", "0.5", "--shadow", "1")  # shadow: the serving drafter and budget
     with proxy(served.url, logs, f"split-{served.name}", *flags, "--shadow-budgets",
-               str(SERVING_BUDGET)) as split:  # fmt: skip
+               str(SERVING_BUDGET), env=env) as split:  # fmt: skip
         run(split.url, served.model, prompts[:clients], args, clients)
         for _ in range(args.reps):
             run(split.url, served.model, prompts, args, clients)

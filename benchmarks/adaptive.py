@@ -90,6 +90,7 @@ from benchmarks.adaptive_servers import (
     check_old_tree,
     serve_proxies,
     serve_upstream,
+    sim_env,
     tree_info,
 )
 from benchmarks.gpu_sim.roofline import PROFILES
@@ -218,7 +219,8 @@ def rotated(configs: list[str], turn: int) -> list[str]:
 
 def _proxies(served: Served, scope: str, args):
     return serve_proxies(served.url, scope, args.logs, old_tree=args.old_tree,
-                         trace_dir=args.trace)  # fmt: skip
+                         trace_dir=args.trace,
+                         extra_env=sim_env(args.dilation) if served.sim else None)  # fmt: skip
 
 
 def run_cells(served: Served, prompt_sets: dict[str, list], args, bar: tqdm) -> list[dict]:

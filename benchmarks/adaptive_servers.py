@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks import servers, upstream
+from proxy.adaptive.estimates import HALF_LIFE_S
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 NGRAM_SPEC = (
@@ -24,6 +25,9 @@ MAX_MODEL_LEN = 2048
 # Where the new policy writes a JSON line per decision; other code ignores it (the
 # proxy reads only the DDTREE_* variables it knows).
 TRACE_ENV = "DDTREE_POLICY_TRACE"
+# Behind the GPU simulator, whose clock runs `dilation` times slower than a GPU's, the
+# proxies' policy half-life is stretched alike (`sim_env`).
+HALF_LIFE_ENV = "DDTREE_POLICY_HALF_LIFE"
 
 
 @dataclass(frozen=True)
@@ -81,13 +85,28 @@ def serve_upstream(
         vllm.stop()  # a no-op for a server started elsewhere
 
 
+def sim_env(dilation: float) -> dict[str, str]:
+    """The proxies' environment behind the GPU simulator: its clock is `dilation` times
+    slower than the simulated GPU's, so the policy's half-life is `dilation` times longer
+    (as many simulated seconds as a GPU's proxy has real ones). Code that predates the
+    setting ignores the variable and runs on the wall clock."""
+    return {HALF_LIFE_ENV: str(HALF_LIFE_S * dilation)}
+
+
 def serve_proxy(
-    tree: Path, upstream_url: str, log_path: Path, trace: Path | None = None
+    tree: Path,
+    upstream_url: str,
+    log_path: Path,
+    trace: Path | None = None,
+    extra_env: dict[str, str] | None = None,
 ) -> servers.ServerProcess:
     """`ddtree-proxy serve --target-url upstream_url --port P` as users start it, with
-    this interpreter and the `proxy` package of `tree` (cwd and PYTHONPATH)."""
+    this interpreter and the `proxy` package of `tree` (cwd and PYTHONPATH), and
+    `extra_env` (`sim_env`) over this process's environment."""
     port = servers.free_port()
-    env = {key: value for key, value in os.environ.items() if key != TRACE_ENV}
+    ours = (TRACE_ENV, HALF_LIFE_ENV)
+    env = {key: value for key, value in os.environ.items() if key not in ours}
+    env |= extra_env or {}
     env["PYTHONPATH"] = str(tree)
     if trace is not None:
         env[TRACE_ENV] = str(trace)
@@ -99,18 +118,24 @@ def serve_proxy(
 
 @contextlib.contextmanager
 def serve_proxies(
-    upstream_url: str, scope: str, logs: Path, *, old_tree: Path | None, trace_dir: Path | None
+    upstream_url: str,
+    scope: str,
+    logs: Path,
+    *,
+    old_tree: Path | None,
+    trace_dir: Path | None,
+    extra_env: dict[str, str] | None = None,
 ) -> Iterator[Proxies]:
     """Fresh new and old proxies in front of `upstream_url` (logs and the new one's
-    trace named after `scope`), stopped after the block."""
+    trace named after `scope`; `extra_env` for both), stopped after the block."""
     trace = None if trace_dir is None else trace_dir / f"{scope}.jsonl"
     with contextlib.ExitStack() as stack:
         new_log = logs / f"adaptive-{scope}-new.log"
-        new = stack.enter_context(serve_proxy(REPO_ROOT, upstream_url, new_log, trace))
+        new = stack.enter_context(serve_proxy(REPO_ROOT, upstream_url, new_log, trace, extra_env))
         old = None
         if old_tree is not None:
             old_log = logs / f"adaptive-{scope}-old.log"
-            old = stack.enter_context(serve_proxy(old_tree, upstream_url, old_log))
+            old = stack.enter_context(serve_proxy(old_tree, upstream_url, old_log, None, extra_env))
         yield Proxies(new, old, trace)
 
 

@@ -171,6 +171,7 @@ async def build_runtime(
         runtime = await _build_proxy(settings, transport)
     else:
         runtime = await asyncio.to_thread(_build_engine, settings)
+    runtime.policy = Policy(half_life_s=settings.policy_half_life)
     if settings.policy_trace is not None:
         runtime.trace = TraceFile(Path(settings.policy_trace))
         runtime.policy.trace = runtime.trace.write

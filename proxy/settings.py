@@ -14,6 +14,7 @@ from typing import Any, Mapping, NamedTuple
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic.fields import FieldInfo
 
+from proxy.adaptive.estimates import HALF_LIFE_S
 from proxy.backend.vllm import Strategy
 from proxy.decoding import TreeSettings
 from proxy.drafter import DRAFTERS
@@ -78,6 +79,12 @@ class RuntimeSettings(BaseModel):
         0.05, ge=0, description="first retry's backoff, seconds; doubles per retry, jittered"
     )
     max_retry_backoff: float = Field(1.0, ge=0, description="cap on one retry's backoff, seconds")
+    policy_half_life: float = Field(
+        HALF_LIFE_S,
+        gt=0,
+        description="seconds after which what the adaptive policy measured weighs half "
+        "(stretched alike behind an upstream with a stretched clock: the GPU simulator)",
+    )
     policy_trace: str | None = Field(
         None,
         description="a file the adaptive policy appends one JSON line per decision to "

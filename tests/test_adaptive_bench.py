@@ -16,7 +16,7 @@ import pytest
 
 from benchmarks import adaptive_report as report
 from benchmarks.adaptive import ddtree_usage, rotated
-from benchmarks.adaptive_servers import check_old_tree
+from benchmarks.adaptive_servers import check_old_tree, sim_env
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SMOKE_LIMIT_S = 90
@@ -220,3 +220,12 @@ def test_phases_with_fresh_proxies(vllm_server, tmp_path):
     ]
     assert all(row["runs"][0]["tokens"] == 8 for row in got["phases"])
     assert (tmp_path / "adaptive_phases.md").is_file()
+
+
+def test_behind_the_simulator_the_proxies_half_life_is_stretched_by_the_dilation(monkeypatch):
+    from proxy.adaptive.estimates import HALF_LIFE_S
+    from proxy.server.settings import ServerSettings
+
+    for name, value in sim_env(12.0).items():
+        monkeypatch.setenv(name, value)
+    assert ServerSettings().policy_half_life == pytest.approx(12 * HALF_LIFE_S)

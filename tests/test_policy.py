@@ -407,3 +407,34 @@ def test_a_remeasuring_round_is_traced_with_the_nodes_it_verifies():
         probe.decide(tree, position=100, unseen_tokens=1, remaining=64, max_depth=4)
     assert [(r["reason"], r["nodes"], r["best_nodes"]) for r in records] == [
         ("remeasure_speculation", 3, 3), ("remeasure_speculation", 8, 1)]
+
+
+def scripted_decisions(stretch: float, half_life_s: float) -> list:
+    """A scripted life of a policy whose upstream's clock runs `stretch` times slower
+    (every call, stream and gap takes `stretch` times longer): speculation measured and
+    then left stale while plain streams on, requests that do not stream, a stream no
+    tree could beat. The decisions, their reasons and rechecks."""
+    clock = Clock()
+    policy = Policy(clock=clock, half_life_s=half_life_s)
+    measured(policy, clock, call_s=0.2 * stretch, per_prompt_s=0.01 * stretch,
+             plain_token_s=0.02 * stretch)  # fmt: skip
+    decisions = []
+    for _ in range(16):  # 16 s of plain streaming at the GPU's pace
+        clock.now += 1.0 * stretch
+        request = policy.request(can_plain=True, seeded=False, client_streams=True)
+        request.record(PlainTokens([0] * 50, 50, 50 * 0.02 * stretch, ended=True))
+        request.record(Finished())
+        decisions += [decide(policy, remaining=512),
+                      decide(policy, tree_of([[0.01]], budget=1), streams=False, remaining=512)]  # fmt: skip
+    return decisions
+
+
+def test_a_stretched_clock_with_a_half_life_stretched_alike_decides_the_same():
+    """Behind the GPU simulator every duration is `dilation` times a GPU's; with
+    `--policy-half-life` stretched alike the policy takes the decisions it would take on
+    the GPU itself -- and on the default half-life it does not (it re-measures and looks
+    for trees `dilation` times as often per simulated second)."""
+    on_gpu = scripted_decisions(1.0, HALF_LIFE_S)
+    assert {d.reason for d in on_gpu} >= {"plain_faster", "remeasure_speculation"}
+    assert scripted_decisions(12.0, 12 * HALF_LIFE_S) == on_gpu
+    assert scripted_decisions(12.0, HALF_LIFE_S) != on_gpu

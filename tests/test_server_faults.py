@@ -350,6 +350,20 @@ def test_relayed_routes_keep_the_proxys_key_and_limits(upstream, server, target_
         assert too_large.status_code == 413 and not seen
 
 
+def test_the_policy_half_life_setting_reaches_every_replica_policy(upstream, server, target_dirs):
+    settings = ServerSettings(target_url=UPSTREAM, tokenizer=str(target_dirs["t2x64"]),
+                              drafter="ngram", policy_half_life=120)  # fmt: skip
+
+    async def half_lives() -> tuple[float, float]:
+        runtime = await build_runtime(settings, upstream.transport)
+        try:
+            return runtime.policy.half_life_s, runtime.policy.for_replica("b").half_life_s
+        finally:
+            await runtime.aclose()
+
+    assert asyncio.run(half_lives()) == (120, 120)
+
+
 def test_unreachable_upstream_at_start_is_a_clear_error(target_dirs):
     router = respx.Router(base_url=UPSTREAM)
     router.get("/v1/models").mock(side_effect=httpx.ConnectError("connection refused"))

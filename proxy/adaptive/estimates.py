@@ -1,5 +1,5 @@
 """What the adaptive policy measures while serving. Every estimate fades with one
-wall-clock half-life: evidence `age` seconds old weighs 2^(-age / HALF_LIFE_S), so after
+wall-clock half-life: evidence `age` seconds old weighs 2^(-age / half-life), so after
 a change of load or of text the new evidence outweighs the old within seconds, and a
 side not measured for a while keeps its last value but counts as stale (`Fading.updated`).
 
@@ -31,6 +31,8 @@ Clock = Callable[[], float]
 # Seconds after which evidence weighs half: long enough to average many rounds or
 # stream events (a GPU round takes tens of ms), short enough to follow a change of
 # load or text within a few seconds. It is also the staleness bound of the policy.
+# The default of `--policy-half-life` (an upstream whose clock runs slower, as the
+# benchmarks' GPU simulator's does, needs it stretched alike).
 HALF_LIFE_S = 10.0
 # Ridge weight on the fit's scaled coefficients, per unit of evidence: it only decides
 # what the calls cannot (e.g. per-call vs per-prompt cost when every call had the same
@@ -46,23 +48,24 @@ BIN_WIDTH = 0.5
 PRIOR_WEIGHT = 2.0
 
 
-def decay(age_s: float) -> float:
+def decay(age_s: float, half_life_s: float = HALF_LIFE_S) -> float:
     """The weight of evidence `age_s` seconds old."""
-    return 2.0 ** (-age_s / HALF_LIFE_S)
+    return 2.0 ** (-age_s / half_life_s)
 
 
 class Fading:
     """Sums [size] that fade with the half-life; `updated` is the clock at the last add."""
 
-    def __init__(self, size: int, clock: Clock) -> None:
+    def __init__(self, size: int, clock: Clock, half_life_s: float = HALF_LIFE_S) -> None:
         self._clock = clock
+        self._half_life_s = half_life_s
         self._sums = np.zeros(size)
         self._at: float | None = None  # the clock the sums are faded to
         self.updated: float | None = None
 
     def _fade_to(self, now: float) -> None:
         if self._at is not None:
-            self._sums *= decay(now - self._at)
+            self._sums *= decay(now - self._at, self._half_life_s)
         self._at = now
 
     def add(self, *values: float) -> None:
@@ -132,9 +135,14 @@ class LinearCost:
     coefficients the ridge holds down, default all)."""
 
     def __init__(
-        self, num_features: int, clock: Clock, ridged: tuple[bool, ...] | None = None
+        self,
+        num_features: int,
+        clock: Clock,
+        ridged: tuple[bool, ...] | None = None,
+        half_life_s: float = HALF_LIFE_S,
     ) -> None:
         self._clock = clock
+        self._half_life_s = half_life_s
         self._num_cols = num_features + 1
         self._ridged = None if ridged is None else np.asarray(ridged, dtype=bool)
         self._rows: deque[tuple[float, ...]] = deque(maxlen=MAX_CALLS)  # (t, features, s)
@@ -161,7 +169,7 @@ class LinearCost:
                 return np.zeros(self._num_cols)
             data = np.asarray(self._rows)
             rows = np.column_stack([np.ones(len(data)), data[:, 1:]])
-            weights = np.array([decay(data[-1, 0] - t) for t in data[:, 0]])
+            weights = np.array([decay(data[-1, 0] - t, self._half_life_s) for t in data[:, 0]])
             self._theta = nonnegative_ridge(rows, weights, self._ridged)
         return self._theta
 
@@ -182,8 +190,9 @@ class Calibration:
     acceptance is the product of its edges' rates. (Whole-path calibration would give
     every node of a sure n-gram chain one rate however deep.)"""
 
-    def __init__(self, clock: Clock) -> None:
+    def __init__(self, clock: Clock, half_life_s: float = HALF_LIFE_S) -> None:
         self._clock = clock
+        self._half_life_s = half_life_s
         self._accepted = np.zeros(0)  # [num_bins] faded counts
         self._seen = np.zeros(0)
         self._at: float | None = None
@@ -195,7 +204,7 @@ class Calibration:
     def _fade_to_now(self) -> None:
         now = self._clock()
         if self._at is not None:
-            factor = decay(now - self._at)
+            factor = decay(now - self._at, self._half_life_s)
             self._accepted *= factor
             self._seen *= factor
         self._at = now

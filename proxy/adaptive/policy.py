@@ -10,7 +10,7 @@ rule with the numbers that decide it; in short:
 * plain generation's rate = the tokens the request still needs over the fitted time of a
   plain stretch that long (its opening counted unless a stream is already open);
 * a request changes side only when the other side is faster by BAND;
-* every estimate fades with one half-life (`estimates.HALF_LIFE_S`), and when one side's
+* every estimate fades with one half-life (`Policy.half_life_s`), and when one side's
   estimate is a half-life older than the other's, one request re-measures it: two rounds
   (a whole tree, then at most half its nodes), or a plain stretch of SHADOW_EVERY tokens.
 
@@ -128,16 +128,20 @@ class Policy:
         self,
         clock: Clock = time.monotonic,
         trace: Callable[[dict[str, Any]], None] | None = None,
+        half_life_s: float = HALF_LIFE_S,
     ) -> None:
         self.clock = clock
         self.trace = trace  # gets one record per decision
-        self.calls = LinearCost(2, clock)  # verification: (prompts, computed tokens) -> s
+        self.half_life_s = half_life_s  # of every estimate, and their staleness bound
+        # verification: (prompts, computed tokens) -> s
+        self.calls = LinearCost(2, clock, half_life_s=half_life_s)
         # A plain stretch: (tokens) -> s. What its stretches cannot tell apart (all of one
         # length) is charged to the opening, not the tokens: extrapolated to a longer
         # stretch, plain then looks fast, and plain is never slower than the target alone.
-        self.plain = LinearCost(1, clock, ridged=(False, True))
-        self.overhead = Fading(2, clock)  # host time per round outside the call: (s, n)
-        self.calibration = Calibration(clock)
+        self.plain = LinearCost(1, clock, ridged=(False, True), half_life_s=half_life_s)
+        # host time per round outside the call: (s, n)
+        self.overhead = Fading(2, clock, half_life_s)
+        self.calibration = Calibration(clock, half_life_s)
         self.decisions: Counter[tuple[str, str]] = Counter()  # (kind, reason)
         self.prevailing: str = "plain"  # the side of the latest decision, for new requests
         self._claimed = {"speculate": -float("inf"), "plain": -float("inf")}
@@ -155,7 +159,7 @@ class Policy:
         if replica is None:
             return self
         if replica not in self.replicas:
-            self.replicas[replica] = Policy(self.clock, self.trace)
+            self.replicas[replica] = Policy(self.clock, self.trace, self.half_life_s)
         return self.replicas[replica]
 
     def request(
@@ -226,9 +230,9 @@ class Policy:
         within the last half-life; if none did, yes for one request per half-life (its
         trees re-measure the chance, as a stale estimate is re-measured)."""
         now = self.clock()
-        if now - self.speculated_at <= HALF_LIFE_S:
+        if now - self.speculated_at <= self.half_life_s:
             return True
-        if now - self._looked_at <= HALF_LIFE_S:
+        if now - self._looked_at <= self.half_life_s:
             return False
         self._looked_at = now
         return True
@@ -242,7 +246,7 @@ class Policy:
         """Is `side`'s estimate a half-life older than the other's? True for the one
         caller who then re-measures it."""
         other = "plain" if side == "speculate" else "speculate"
-        if self.measured_at(other) - self.measured_at(side) <= HALF_LIFE_S:
+        if self.measured_at(other) - self.measured_at(side) <= self.half_life_s:
             return False
         self._claimed[side] = self.clock()
         return True
@@ -411,7 +415,8 @@ class RequestPolicy:
             return Plain(remaining, False, None, reason)
         if math.isinf(stream_rate):  # never measured: no spacing to go by
             return Plain(remaining, True, None, reason)
-        return Plain(remaining, True, max(SHADOW_EVERY, int(HALF_LIFE_S * stream_rate)), reason)
+        recheck = max(SHADOW_EVERY, int(policy.half_life_s * stream_rate))
+        return Plain(remaining, True, recheck, reason)
 
     def record(self, outcome: Outcome) -> None:
         policy = self.policy
