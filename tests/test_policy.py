@@ -169,6 +169,24 @@ def test_speculates_where_rounds_pay_and_steps_aside_where_they_do_not():
     assert isinstance(decide(fast, tree_of([[0.05, 0.04]] * 4)), Plain)
 
 
+def test_one_empty_tree_after_a_tree_is_verified_alone_a_second_goes_plain():
+    """The drafter matched nothing at one token (an empty tree: the root alone is a
+    plain step): right after a tree with nodes, the root alone, one token, and the next
+    tree decides; two in a row, or at a request's start, the rates decide (plain)."""
+    clock = Clock()
+    fast = Policy(clock=clock)
+    measured(fast, clock, call_s=0.02, per_prompt_s=0.001, plain_token_s=0.015)
+    empty = root_only(1)
+    assert isinstance(decide(fast, empty), Plain)  # a request's first tree
+    request = fast.request(can_plain=True, seeded=False, client_streams=True)
+    steps = [request.decide(tree, position=100 + i, unseen_tokens=1, remaining=64, max_depth=4)
+             for i, tree in enumerate([tree_of(SURE_CHAIN), empty, tree_of(SURE_CHAIN), empty,
+                                       empty])]  # fmt: skip
+    assert [type(step) for step in steps] == [Speculate, Speculate, Speculate, Speculate, Plain]
+    assert steps[1] == steps[3] == Speculate(0, "empty_after_tree")
+    assert steps[4].reason == "plain_faster"
+
+
 def test_rounds_that_pay_alone_lose_when_other_requests_share_the_steps():
     clock = Clock()
     policy = Policy(clock=clock)

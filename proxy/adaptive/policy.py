@@ -280,6 +280,7 @@ class RequestPolicy:
     _stream_open: bool = False
     _plain_failed: bool = False
     _second_round: int | None = None  # nodes of a re-measurement's second round, when due
+    _after_tree: bool = False  # the last decision verified a tree with nodes
     _decided_on: str | None = None  # the replica serving the request at the last decision
     _counted_on: Policy | None = None  # the replica policy whose in_flight counts it
     _shadows: list[_Shadow] = field(default_factory=list)
@@ -325,6 +326,7 @@ class RequestPolicy:
             logger.debug("request %d: %s -> %s (%s) %s", self.request_id, self.side, kind,
                          decision.reason, numbers)  # fmt: skip
         self.side = policy.prevailing = kind
+        self._after_tree = kind == "speculate" and tree.num_nodes > 0
         if isinstance(decision, Plain):
             self._stream_open = decision.stream
             if tree.num_nodes:
@@ -376,6 +378,11 @@ class RequestPolicy:
             # Another request's round is measuring speculation; with no call timed yet
             # a round's predicted cost is zero (an infinite rate), so nothing to compare.
             return self._plain(remaining, "speculation_unmeasured"), ages
+        if tree.num_nodes == 0 and self._after_tree:
+            # The drafter matched nothing at this one token, right after a tree it did
+            # match: one miss says little of the next tree. The root alone commits one
+            # token (a plain step) where going plain would commit SHADOW_EVERY.
+            return Speculate(0, "empty_after_tree"), {}
         rates = policy.round_rates(tree, unseen_tokens)
         best = int(np.argmax(rates))
         spec_rate = float(rates[best])
