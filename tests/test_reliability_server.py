@@ -165,6 +165,15 @@ def _bad_inputs(model: str) -> list[tuple[str, object, int, str | None]]:
          "ddtree.depth"),
         (completions, {"model": model, "prompt": "x", "ddtree": {"kind": "forest"}}, 400,
          "ddtree.kind"),
+        # Past a 64-bit integer (vLLM 0.32 answers such a top_k with an empty 500), on
+        # DDTree's path and on the way to vLLM alike (the schemathesis body of a CI run).
+        (completions, {"model": model, "prompt": "x", "top_k": 2**63}, 400, "top_k"),
+        (completions, {"model": model, "prompt": "x", "top_k": 10767392493253293060020695016757264384,
+                       "ddtree": {"enabled": False}}, 400, "top_k"),
+        (completions, {"model": model, "prompt": "x", "ddtree": {"depth": -(2**63) - 1}}, 400,
+         "ddtree.depth"),
+        (chat, {"model": model, "messages": msgs, "logit_bias": {"5": 2**64}}, 400,
+         "logit_bias.5"),
         (completions, {"model": model, "prompt": "x" * (MAX_BODY + 1)}, 413, None),
     ]  # fmt: skip
 

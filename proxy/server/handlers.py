@@ -45,7 +45,7 @@ from proxy.server.metrics import (
 from proxy.server.passthrough import relay
 from proxy.server.plan import opted_out, plan_request
 from proxy.server.replica_metrics import ReplicasCollector
-from proxy.server.request_models import REQUEST_MODELS, Endpoint
+from proxy.server.request_models import REQUEST_MODELS, Endpoint, out_of_range_integer
 from proxy.server.responses import sse
 from proxy.server.settings import ServerSettings
 
@@ -108,6 +108,11 @@ class Handlers:
             raise RequestError(f"request body is not valid JSON: {exc}") from None
         if not isinstance(body, dict):
             raise RequestError("request body must be a JSON object")
+        too_large = out_of_range_integer(body)
+        if too_large is not None:
+            raise RequestError(
+                f"{too_large}: the integer is outside the 64-bit range", param=too_large
+            )
         runtime = self.runtime
         disabled = opted_out(request, body)
         compared = True  # engine mode: no split

@@ -184,6 +184,29 @@ _NEUTRAL = frozenset(
 )
 
 
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
+def out_of_range_integer(value: Any, path: str = "") -> str | None:
+    """The dotted path of the first JSON integer in `value` that a 64-bit integer cannot
+    hold, or None. Checked before a request is served or passed on: vLLM answers such a
+    top_k with a 500 and an empty message (vLLM 0.32), where the field is the client's
+    mistake."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return path if not INT64_MIN <= value <= INT64_MAX else None
+    if isinstance(value, dict):
+        items = ((f"{path}.{key}" if path else str(key), item) for key, item in value.items())
+    elif isinstance(value, list):
+        items = ((f"{path}[{index}]", item) for index, item in enumerate(value))
+    else:
+        return None
+    for name, item in items:
+        found = out_of_range_integer(item, name)
+        if found is not None:
+            return found
+    return None
+
+
 def _is_union_tag(part: str | int) -> bool:
     """pydantic names the member of a union that failed in an error's location
     ('prompt', 'list[int]', 0); the field a client wrote is the rest."""
@@ -204,7 +227,7 @@ class _GenerationRequest(BaseModel):
     temperature: float | None = Field(None, ge=0)
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1)
-    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
