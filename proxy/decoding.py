@@ -236,6 +236,7 @@ async def stream_generate(
             can_plain=session.plain is not None,
             seeded=request.sampling.seed is not None,
             client_streams=request.stream,
+            remote_text=request.remote_text,
             replica=lambda: session.replica,
         )
     stretch: _PlainStretch | None = None

@@ -53,7 +53,8 @@ class Scripted(Policy):
         super().__init__()
         self.script = (plain_first, num_nodes, chunk, one_answer)
 
-    def request(self, *, can_plain: bool, seeded: bool, client_streams: bool, replica=None):
+    def request(self, *, can_plain: bool, seeded: bool, client_streams: bool, replica=None,
+                remote_text=False):
         assert can_plain
         return ScriptedRequest(*self.script)
 
@@ -65,7 +66,8 @@ class PlainOnly(Policy):
         super().__init__()
         self.chunk = chunk
 
-    def request(self, *, can_plain: bool, seeded: bool, client_streams: bool, replica=None):
+    def request(self, *, can_plain: bool, seeded: bool, client_streams: bool, replica=None,
+                remote_text=False):
         assert can_plain
         return self
 

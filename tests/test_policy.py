@@ -18,6 +18,7 @@ from proxy.adaptive.estimates import (
 from proxy.adaptive.policy import (
     BAND,
     SHADOW_EVERY,
+    SHADOW_SHARE,
     Finished,
     Plain,
     PlainTokens,
@@ -109,15 +110,17 @@ def test_calibration_moves_from_the_drafters_word_to_the_targets_and_back():
 
 
 def measured(policy: Policy, clock: Clock, *, call_s: float, per_prompt_s: float,
-             plain_token_s: float, plain_open_s: float = 0.0) -> None:  # fmt: skip
+             plain_token_s: float, plain_open_s: float = 0.0, overhead_s: float = 0.0) -> None:  # fmt: skip
     """Rounds and plain stretches measured just now: calls of several sizes (the sure
-    chain accepted, as its drafter said), plain stretches of several lengths."""
+    chain accepted, as its drafter said; `overhead_s` of host time each beside the call),
+    plain stretches of several lengths."""
     request = policy.request(can_plain=True, seeded=False, client_streams=True)
     tree = tree_of(SURE_CHAIN)
     chain = [1, 2, 3, 4]  # its first four nodes: the rank-0 token at each depth
     for num_prompts in (1, 5, 9):
-        request.record(RoundResult(tree, chain, 5, call_s + per_prompt_s * num_prompts,
-                             call_s + per_prompt_s * num_prompts, num_prompts, num_prompts))  # fmt: skip
+        seconds = call_s + per_prompt_s * num_prompts
+        request.record(RoundResult(tree, chain, 5, seconds + overhead_s, seconds, num_prompts,
+                                   num_prompts))  # fmt: skip
     for num_tokens in (8, 64):
         request.record(PlainTokens([0] * num_tokens, num_tokens,
                                    plain_open_s + plain_token_s * num_tokens, ended=True))  # fmt: skip
@@ -125,9 +128,11 @@ def measured(policy: Policy, clock: Clock, *, call_s: float, per_prompt_s: float
     clock.now += 0.01
 
 
-def decide(policy: Policy, tree=None, *, seeded=False, streams=True, remaining=64, new=1):
+def decide(policy: Policy, tree=None, *, seeded=False, streams=True, remaining=64, new=1,
+           remote_text=False):  # fmt: skip
     """A new request's first decision (the request then ends)."""
-    request = policy.request(can_plain=True, seeded=seeded, client_streams=streams)
+    request = policy.request(can_plain=True, seeded=seeded, client_streams=streams,
+                             remote_text=remote_text)  # fmt: skip
     decision = request.decide(tree or tree_of(SURE_CHAIN), position=100, unseen_tokens=new,
                               remaining=remaining, max_depth=4)  # fmt: skip
     request.record(Finished())
@@ -349,7 +354,7 @@ def test_shadows_teach_the_calibration_while_plain():
         decision = request.decide(doubtful, position=position, unseen_tokens=1, remaining=512, max_depth=4)
         if isinstance(decision, Speculate):
             break
-        assert decision.recheck_after == SHADOW_EVERY
+        assert decision.recheck_after == policy.shadow_spacing()
         # The target always took the drafter's first guess at every depth.
         committed = [0] * (position - 1) + [7, 10, 20, 30, 40, 5, 5, 5, 5]
         request.record(PlainTokens(committed, 8 * (step + 1), 0.01 * 8 * (step + 1), ended=False))
@@ -371,7 +376,24 @@ def test_a_stream_no_tree_could_beat_is_read_on_without_drafting():
     cheap = Policy(clock=clock)
     measured(cheap, clock, call_s=0.02, per_prompt_s=0.001, plain_token_s=0.01)
     doubtful = decide(cheap, tree_of([[0.3, 0.2]] * 4), remaining=512)
-    assert isinstance(doubtful, Plain) and doubtful.recheck_after == SHADOW_EVERY
+    assert isinstance(doubtful, Plain) and doubtful.recheck_after == cheap.shadow_spacing()
+
+
+@pytest.mark.parametrize(("overhead_s", "spacing"), [(0.0, 1), (0.0009, 2), (0.0031, 7), (0.01, 8)])
+def test_shadows_are_spaced_by_what_drafting_costs_the_host(overhead_s, spacing):
+    """A shadow costs about a round's host overhead; a stream drafts as often as keeps
+    that within SHADOW_SHARE of its own time, every token where drafting is cheap next to
+    a token, at most every SHADOW_EVERY."""
+    clock = Clock()
+    policy = Policy(clock=clock)
+    measured(policy, clock, call_s=0.02, per_prompt_s=0.001, plain_token_s=0.01,
+             overhead_s=overhead_s)  # fmt: skip
+    assert SHADOW_EVERY == 8 and SHADOW_SHARE == 0.05  # the spacings below: 0.01 s a token
+    decision = decide(policy, tree_of([[0.3, 0.2]] * 4), remaining=512)
+    assert decision == Plain(512, True, spacing, "plain_faster")
+    # Text from vLLM's /detokenize: every piece (one per decision) is a call.
+    remote = decide(policy, tree_of([[0.3, 0.2]] * 4), remaining=512, remote_text=True)
+    assert remote == Plain(512, True, SHADOW_EVERY, "plain_faster")
 
 
 def test_a_client_that_does_not_stream_gets_one_answer_unless_trees_have_lately_won():
@@ -383,7 +405,7 @@ def test_a_client_that_does_not_stream_gets_one_answer_unless_trees_have_lately_
     cheap = Policy(clock=clock)
     measured(cheap, clock, call_s=0.02, per_prompt_s=0.001, plain_token_s=0.01)
     nothing_drafted = tree_of([[0.01]], budget=1)
-    drafted = Plain(512, True, SHADOW_EVERY, "plain_faster")
+    drafted = Plain(512, True, cheap.shadow_spacing(), "plain_faster")
     one_answer = Plain(512, False, None, "plain_faster")
     # No request has speculated: one looks, the others get one answer ...
     looks = [decide(cheap, nothing_drafted, streams=False, remaining=512) for _ in range(3)]

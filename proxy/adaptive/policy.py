@@ -20,7 +20,7 @@ one call, since a switch would make its output depend on timing; before plain ge
 was ever measured, requests start plain (it is never slower than the target alone); after
 a plain stretch that broke (or gave nothing), one round follows (rounds are retried).
 
-While plain, the drafter proposes a tree every SHADOW_EVERY tokens: the policy decides
+While plain, the drafter proposes a tree every `shadow_spacing` tokens: the policy decides
 on it, and if it stays plain, walks it along the tokens that come (a *shadow* round),
 which keeps the calibration current.
 
@@ -47,10 +47,14 @@ from proxy.tree import DraftTree, walk
 # are predictions, and a switch costs (a stream to open, or an uncached tail to
 # recompute).
 BAND = 0.1
-# Plain tokens between two decisions while plain (each drafts a tree: a shadow), and the
-# length of a plain re-measurement: short enough to return to speculation soon, long
-# enough that a stream's opening is not all it measures.
+# The most plain tokens between two decisions while plain (each drafts a tree: a
+# shadow), and the length of a plain re-measurement: short enough to return to
+# speculation soon, long enough that a stream's opening is not all it measures.
 SHADOW_EVERY = 8
+# The host time a plain stream's shadows may take, relative to the stream's own time
+# (`Policy.shadow_spacing`): a shadow costs about a round's host overhead, and on a host
+# shared with the engine that time is taken from the engine.
+SHADOW_SHARE = 0.05
 
 logger = logging.getLogger("ddtree_proxy.policy")
 
@@ -169,14 +173,17 @@ class Policy:
         seeded: bool,
         client_streams: bool,
         replica: Callable[[], str | None] = lambda: None,
+        remote_text: bool = False,
     ) -> RequestPolicy:
         """A request's decisions. `can_plain`: its target session generates plainly
         (`TargetSession.plain`); `client_streams`: the client reads a stream; `replica`:
         the upstream replica serving the request now (a failover moves it), whose
-        estimates (`for_replica`) decide and learn each step."""
+        estimates (`for_replica`) decide and learn each step; `remote_text`: its text
+        comes from vLLM's /detokenize, one call per plain piece (a piece ends at each
+        decision), so a plain stream drafts only every SHADOW_EVERY tokens."""
         self._next_request += 1
         decisions = RequestPolicy(
-            self, replica, self._next_request, can_plain, seeded, client_streams
+            self, replica, self._next_request, can_plain, seeded, client_streams, remote_text
         )
         decisions._count_in_flight()
         return decisions
@@ -223,6 +230,17 @@ class Policy:
         """Predicted tokens per second of an open plain stream."""
         per_token = float(self.plain.coefficients()[1])
         return 1.0 / per_token if per_token > 0 else float("inf")
+
+    def shadow_spacing(self) -> int:
+        """Plain tokens between two shadows: as few as keep their host time (a round's
+        measured overhead each) within SHADOW_SHARE of the stream's, at most SHADOW_EVERY.
+        Where a token takes long next to the host's drafting (a GPU's big model), every
+        token, so a tree that would win is taken when the drafter first finds it."""
+        per_token = float(self.plain.coefficients()[1])
+        overhead = self.overhead.ratio()
+        if overhead is None or per_token <= 0:
+            return SHADOW_EVERY
+        return min(SHADOW_EVERY, max(1, math.ceil(overhead / (SHADOW_SHARE * per_token))))
 
     def worth_drafting(self) -> bool:
         """Should a plain request that may take the rest as one answer stream instead,
@@ -276,6 +294,7 @@ class RequestPolicy:
     can_plain: bool
     seeded: bool
     client_streams: bool
+    remote_text: bool = False
     side: str = ""  # "speculate" or "plain": where the request is now
     _stream_open: bool = False
     _plain_failed: bool = False
@@ -406,7 +425,7 @@ class RequestPolicy:
 
     def _plain(self, remaining: int, reason: str, ceiling: float = float("inf")) -> Plain:
         """Plain generation; `ceiling`: the fastest speculation could be (unknown: inf).
-        A stream, read SHADOW_EVERY tokens at a time, while a tree could still beat it by
+        A stream, read `shadow_spacing` tokens at a time, while a tree could still beat it by
         BAND (this tree lost, a later one may not); else a half-life's worth of tokens at
         a time (the estimates are stale by then). For a client that does not stream, one
         answer -- it cannot be closed early, but costs both hosts one event where a
@@ -417,7 +436,8 @@ class RequestPolicy:
         could_win = ceiling > (1 + BAND) * stream_rate
         streaming = self._stream_open or self.client_streams
         if could_win and (streaming or policy.worth_drafting()):
-            return Plain(remaining, True, SHADOW_EVERY, reason)
+            spacing = SHADOW_EVERY if self.remote_text else policy.shadow_spacing()
+            return Plain(remaining, True, spacing, reason)
         if not streaming:
             return Plain(remaining, False, None, reason)
         if math.isinf(stream_rate):  # never measured: no spacing to go by
