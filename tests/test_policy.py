@@ -363,6 +363,35 @@ def test_shadows_teach_the_calibration_while_plain():
     assert decision == Speculate(decision.num_nodes, "speculation_faster")
 
 
+def test_a_request_whose_own_trees_miss_steps_aside_while_a_fresh_one_speculates():
+    """The calibration pools every request; within one, acceptance runs in streaks, so a
+    request's own walks scale the pool's rates for it: after its tree missed it steps
+    aside where another request still speculates on the same tree, and what its shadows
+    then see accepted brings it back."""
+    clock = Clock()
+    policy = Policy(clock=clock)
+    # Every round 20 ms whatever its size (no request's prompts delay another's), a plain
+    # token 6.7 ms: the pool's rate for the tree below is ~4.1 tokens a round.
+    measured(policy, clock, call_s=0.02, per_prompt_s=0.0, plain_token_s=1 / 150)
+    tree = tree_of([[0.7]] * 4, root=7)  # a chain the drafter gives 0.7 at each depth
+    chain = [1, 2, 3, 4]
+    for i in range(100):  # the pool: 7 requests in 10 took the whole chain, 3 none of it
+        policy.calibration.observe(tree, chain if i % 10 < 7 else [])
+    missing = policy.request(can_plain=True, seeded=False, client_streams=True)
+    first = missing.decide(tree, position=100, unseen_tokens=1, remaining=512, max_depth=4)
+    assert first == Speculate(4, "speculation_faster")
+    missing.record(RoundResult(tree, [], 1, 0.02, 0.02, 5, 5))  # nothing accepted
+    assert isinstance(missing.decide(tree, position=101, unseen_tokens=1, remaining=511,
+                                     max_depth=4), Plain)  # fmt: skip
+    assert decide(policy, tree) == Speculate(4, "speculation_faster")  # the pool's word
+    # The plain stream's tokens follow the chain: the shadow accepts all of it.
+    committed = [0] * 100 + [7, 10, 20, 30, 40, 5, 5, 5]
+    missing.record(PlainTokens(committed, 8, 0.05, ended=False))
+    back = missing.decide(tree, position=109, unseen_tokens=1, remaining=503, max_depth=4)
+    assert back == Speculate(4, "speculation_faster")
+    missing.record(Finished())
+
+
 def test_a_stream_no_tree_could_beat_is_read_on_without_drafting():
     clock = Clock()
     policy = Policy(clock=clock)

@@ -44,8 +44,12 @@ MAX_CALLS = 256
 # Calibration bins over -log q, q the drafter's conditional probability of a node: bin
 # b holds q in (e^-(b+1)w, e^-bw]; 0.5 splits q = 1 .. 0.6 .. 0.37 .. 0.22 ...
 BIN_WIDTH = 0.5
-# The drafter's own probability counts as this many observations of its bin.
+# The drafter's own probability counts as this many observations of its bin; and the
+# calibration's word, as this many of a request's own edges (`RequestAcceptance`).
 PRIOR_WEIGHT = 2.0
+# A request's own evidence halves with each tree walked after it: its last few walks
+# decide (acceptance runs in streaks -- text the drafter matches, then text it does not).
+WALK_FADE = 0.5
 
 
 def decay(age_s: float, half_life_s: float = HALF_LIFE_S) -> float:
@@ -183,6 +187,25 @@ def edge_log_probs(tree: DraftTree) -> np.ndarray:
     return tree.path_log_probs[1:] - tree.path_log_probs[tree.parents[1:]]
 
 
+class RequestAcceptance:
+    """How a request's drafted edges fare against the shared calibration: the ratio of
+    its accepted to its expected edges, the last walks weighing most (WALK_FADE), with
+    PRIOR_WEIGHT edges at the calibration's word. The calibration pools every request;
+    within one, acceptance runs in streaks (after a round that accepted nothing the next
+    accepts far less than the pool says, after a whole chain far more)."""
+
+    def __init__(self) -> None:
+        self._accepted = 0.0
+        self._expected = 0.0
+
+    def add(self, accepted: float, expected: float) -> None:
+        self._accepted = WALK_FADE * self._accepted + accepted
+        self._expected = WALK_FADE * self._expected + expected
+
+    def factor(self) -> float:
+        return (self._accepted + PRIOR_WEIGHT) / (self._expected + PRIOR_WEIGHT)
+
+
 class Calibration:
     """Acceptance of a drafted node by the target, learnt per *edge*: a node whose parent
     was accepted (the root always is), with the drafter's conditional probability q of
@@ -219,30 +242,37 @@ class Calibration:
         seen = np.append(self._seen, 0.0)[bins]
         return (accepted + PRIOR_WEIGHT * np.exp(log_q)) / (seen + PRIOR_WEIGHT)
 
-    def acceptance(self, tree: DraftTree) -> np.ndarray:
-        """[num_nodes] calibrated probability that each node of `tree` is accepted."""
-        edges = self.edge_acceptance(edge_log_probs(tree))
+    def acceptance(self, tree: DraftTree, factor: float = 1.0) -> np.ndarray:
+        """[num_nodes] calibrated probability that each node of `tree` is accepted, every
+        edge's rate scaled by `factor` (a request's own, `RequestAcceptance`; at most 1)."""
+        edges = np.minimum(factor * self.edge_acceptance(edge_log_probs(tree)), 1.0)
         path = np.ones(tree.num_nodes + 1)
         for node in range(1, tree.num_nodes + 1):  # parents precede children
             path[node] = path[tree.parents[node]] * edges[node - 1]
         return path[1:]
 
-    def observe(self, tree: DraftTree, accepted_nodes: list[int]) -> None:
-        """One walked tree and the nodes its walk accepted."""
+    def observe(self, tree: DraftTree, accepted_nodes: list[int]) -> tuple[float, float]:
+        """One walked tree and the nodes its walk accepted. Returns (edges accepted,
+        edges expected accepted before this walk taught the calibration), over the edges
+        the walk reached (their parent accepted)."""
         if not tree.num_nodes:
-            return
+            return 0.0, 0.0
         self._fade_to_now()
         accepted = np.zeros(tree.num_nodes + 1, dtype=bool)
         accepted[0] = True
         accepted[np.asarray(accepted_nodes, dtype=np.int64)] = True
         reached = accepted[tree.parents[1:]]  # edges whose parent was accepted
-        bins = self._bins(edge_log_probs(tree))[reached]
+        log_q = edge_log_probs(tree)[reached]
+        expected = float(self.edge_acceptance(log_q).sum())
+        hits = accepted[1:][reached]
+        bins = self._bins(log_q)
         if bins.size and bins.max() >= len(self._seen):
             grow = int(bins.max()) + 1 - len(self._seen)
             self._accepted = np.concatenate([self._accepted, np.zeros(grow)])
             self._seen = np.concatenate([self._seen, np.zeros(grow)])
-        np.add.at(self._accepted, bins, accepted[1:][reached].astype(np.float64))
+        np.add.at(self._accepted, bins, hits.astype(np.float64))
         np.add.at(self._seen, bins, 1.0)
+        return float(hits.sum()), expected
 
     def table(self) -> list[tuple[float, float, float]]:
         """(upper edge probability of the bin, observed acceptance, weight) per bin with

@@ -40,7 +40,14 @@ from typing import Any
 
 import numpy as np
 
-from proxy.adaptive.estimates import HALF_LIFE_S, Calibration, Clock, Fading, LinearCost
+from proxy.adaptive.estimates import (
+    HALF_LIFE_S,
+    Calibration,
+    Clock,
+    Fading,
+    LinearCost,
+    RequestAcceptance,
+)
 from proxy.tree import DraftTree, walk
 
 # The other side must be this much faster (relative) before a request switches: rates
@@ -190,11 +197,11 @@ class Policy:
 
     # ----- the numbers ------------------------------------------------------------
 
-    def round_rates(self, tree: DraftTree, unseen_tokens: int) -> np.ndarray:
+    def round_rates(self, tree: DraftTree, unseen_tokens: int, factor: float = 1.0) -> np.ndarray:
         """[num_nodes + 1] predicted tokens per second of a round verifying the first n
         nodes, n = 0 .. num_nodes (`unseen_tokens`: context per prompt the target has
-        not processed)."""
-        return round_estimates(tree, self.calibration, unseen_tokens, self.round_seconds)[1]
+        not processed; `factor`: the request's own acceptance, `RequestAcceptance`)."""
+        return round_estimates(tree, self.calibration, unseen_tokens, self.round_seconds, factor)[1]
 
     def round_seconds(self, num_prompts: np.ndarray, computed_tokens: np.ndarray) -> np.ndarray:
         """Predicted seconds of a round: its call, the host's overhead, and what its
@@ -303,6 +310,7 @@ class RequestPolicy:
     _decided_on: str | None = None  # the replica serving the request at the last decision
     _counted_on: Policy | None = None  # the replica policy whose in_flight counts it
     _shadows: list[_Shadow] = field(default_factory=list)
+    _acceptance: RequestAcceptance = field(default_factory=RequestAcceptance)
 
     def __post_init__(self) -> None:
         self.side = self.policy.prevailing
@@ -368,9 +376,11 @@ class RequestPolicy:
         if not self.can_plain:
             if policy.calls.num_rows == 0:
                 return Speculate(tree.num_nodes, "speculation_unmeasured"), {}
-            rates = policy.round_rates(tree, unseen_tokens)
+            factor = self._acceptance.factor()
+            rates = policy.round_rates(tree, unseen_tokens, factor)
             best = int(np.argmax(rates))
-            return Speculate(best, "no_plain_generation"), {"spec_rate": float(rates[best])}
+            numbers = {"spec_rate": float(rates[best]), "own_acceptance": factor}
+            return Speculate(best, "no_plain_generation"), numbers
         if self._plain_failed:
             self._plain_failed = False
             return Speculate(tree.num_nodes, "plain_failed"), {}
@@ -402,11 +412,13 @@ class RequestPolicy:
             # match: one miss says little of the next tree. The root alone commits one
             # token (a plain step) where going plain would commit SHADOW_EVERY.
             return Speculate(0, "empty_after_tree"), {}
-        rates = policy.round_rates(tree, unseen_tokens)
+        factor = self._acceptance.factor()
+        rates = policy.round_rates(tree, unseen_tokens, factor)
         best = int(np.argmax(rates))
         spec_rate = float(rates[best])
         plain_rate = policy.plain_rate(remaining, self._stream_open)
-        numbers = {"spec_rate": spec_rate, "plain_rate": plain_rate, "best_nodes": best}
+        numbers = {"spec_rate": spec_rate, "plain_rate": plain_rate, "best_nodes": best,
+                   "own_acceptance": factor}  # fmt: skip
         if self.side == "speculate":
             go_plain = plain_rate > (1 + BAND) * spec_rate
         else:
@@ -455,7 +467,7 @@ class RequestPolicy:
                     outcome.num_prompts, outcome.computed_tokens, outcome.call_seconds
                 )
                 policy.overhead.add(max(0.0, outcome.seconds - outcome.call_seconds), 1.0)
-            policy.calibration.observe(outcome.tree, outcome.accepted_nodes)
+            self._acceptance.add(*policy.calibration.observe(outcome.tree, outcome.accepted_nodes))
         elif isinstance(outcome, PlainTokens):
             self._walk_shadows(outcome.committed)
             if outcome.ended:
@@ -481,7 +493,9 @@ class RequestPolicy:
                 continue
             actual = committed[shadow.start : shadow.start + span]
             result = walk(shadow.tree, target_tokens_along(shadow.tree, actual))
-            self.policy.calibration.observe(shadow.tree, result.accepted_nodes)
+            self._acceptance.add(
+                *self.policy.calibration.observe(shadow.tree, result.accepted_nodes)
+            )
         self._shadows = waiting
 
 
@@ -491,13 +505,17 @@ RoundCost = Callable[[np.ndarray, np.ndarray], np.ndarray]
 
 
 def round_estimates(
-    tree: DraftTree, calibration: Calibration, unseen_tokens: int, round_seconds: RoundCost
+    tree: DraftTree,
+    calibration: Calibration,
+    unseen_tokens: int,
+    round_seconds: RoundCost,
+    factor: float = 1.0,
 ) -> tuple[np.ndarray, np.ndarray]:
     """[num_nodes + 1] predicted seconds and tokens per second of a round verifying the
     first n nodes, n = 0 .. num_nodes: n + 1 prompts, each computing the `unseen_tokens`
     of context the target has not processed plus its path; its expected tokens are the
     calibrated acceptance of those nodes plus the bonus token (a free round: inf)."""
-    tokens = 1.0 + np.concatenate([[0.0], np.cumsum(calibration.acceptance(tree))])
+    tokens = 1.0 + np.concatenate([[0.0], np.cumsum(calibration.acceptance(tree, factor))])
     num_prompts = np.arange(1, tree.num_nodes + 2)
     path_tokens = np.concatenate([[0], np.cumsum(tree.depths[1:])])
     seconds = round_seconds(num_prompts, num_prompts * unseen_tokens + path_tokens)
