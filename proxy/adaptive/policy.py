@@ -3,7 +3,8 @@
 rule with the numbers that decide it; in short:
 
 * speculation's rate for this request = the best, over n, of the expected tokens of the
-  tree's first n nodes (1 + their calibrated acceptance) over the round's predicted time
+  tree's first n nodes (1 + their calibrated acceptance, the pooled calibration scaled
+  by the request's own record: `RequestAcceptance`) over the round's predicted time
   (the fitted call latency for n + 1 prompts, the measured host time per round, and
   the round's work beyond a one-prompt call once for each other request in flight:
   they share the engine's steps);
