@@ -965,6 +965,25 @@ class _TimedTarget:
         return Session()
 
 
+def test_probe_calls_fade_with_the_policy_half_life():
+    """--policy-half-life stretches the probes' fit as it does the policy's (behind a
+    slower clock, both see the same amount of evidence)."""
+    settings = ServerSettings(target_url=_UPSTREAM, policy_half_life=120,
+                              ab=ABSettings(shadow=1.0, shadow_probes=0.3))  # fmt: skip
+    ab = AB(settings, random.Random(0))
+    runtime = SimpleNamespace(**(vars(_RUNTIME) | {"target": _TimedTarget(), "policy": None}))
+
+    async def half_life() -> float:
+        await ab.start(runtime, CollectorRegistry())
+        try:
+            assert ab.shadow is not None and ab.shadow.prober is not None
+            return ab.shadow.prober.calls.half_life_s
+        finally:
+            await ab.stop()
+
+    assert run(half_life()) == 120
+
+
 def test_probe_calls_price_the_shadow_within_their_share():
     """No DDTree arm: probe calls (replayed trees verified for real) fit the cost, at most
     --shadow-probes of the direct answers, trees of each budget in turn; a failed

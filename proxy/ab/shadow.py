@@ -38,7 +38,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from proxy.ab.measure import MAX_RECORDS
-from proxy.adaptive.estimates import Calibration, LinearCost
+from proxy.adaptive.estimates import HALF_LIFE_S, Calibration, LinearCost
 from proxy.adaptive.policy import RoundCost, round_estimates, target_tokens_along
 from proxy.backend.base import SessionOptions, Target, TargetError
 from proxy.decoding import TreeSettings, resolve_depth
@@ -225,13 +225,20 @@ class Prober:
     (`needed`). At most `share` of the upstream calls: a probe goes out only while the
     probes so far stay within `share` of the direct answers offered to the shadow (each
     answer was at least one call). Each probe takes the next pair's tree in turn, so
-    the fit sees calls of several sizes."""
+    the fit sees calls of several sizes. Its fit fades with the policy's half-life
+    (`--policy-half-life`)."""
 
-    def __init__(self, target: Target, share: float, needed: Callable[[], bool]) -> None:
+    def __init__(
+        self,
+        target: Target,
+        share: float,
+        needed: Callable[[], bool],
+        half_life_s: float = HALF_LIFE_S,
+    ) -> None:
         self.target = target
         self.share = share
         self.needed = needed
-        self.calls = LinearCost(2, time.monotonic)
+        self.calls = LinearCost(2, time.monotonic, half_life_s=half_life_s)
         self.num_probes = 0
         self.num_failed = 0
         self._turn = 0

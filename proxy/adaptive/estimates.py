@@ -62,14 +62,14 @@ class Fading:
 
     def __init__(self, size: int, clock: Clock, half_life_s: float = HALF_LIFE_S) -> None:
         self._clock = clock
-        self._half_life_s = half_life_s
+        self.half_life_s = half_life_s
         self._sums = np.zeros(size)
         self._at: float | None = None  # the clock the sums are faded to
         self.updated: float | None = None
 
     def _fade_to(self, now: float) -> None:
         if self._at is not None:
-            self._sums *= decay(now - self._at, self._half_life_s)
+            self._sums *= decay(now - self._at, self.half_life_s)
         self._at = now
 
     def add(self, *values: float) -> None:
@@ -146,7 +146,7 @@ class LinearCost:
         half_life_s: float = HALF_LIFE_S,
     ) -> None:
         self._clock = clock
-        self._half_life_s = half_life_s
+        self.half_life_s = half_life_s
         self._num_cols = num_features + 1
         self._ridged = None if ridged is None else np.asarray(ridged, dtype=bool)
         self._rows: deque[tuple[float, ...]] = deque(maxlen=MAX_CALLS)  # (t, features, s)
@@ -173,7 +173,7 @@ class LinearCost:
                 return np.zeros(self._num_cols)
             data = np.asarray(self._rows)
             rows = np.column_stack([np.ones(len(data)), data[:, 1:]])
-            weights = np.array([decay(data[-1, 0] - t, self._half_life_s) for t in data[:, 0]])
+            weights = np.array([decay(data[-1, 0] - t, self.half_life_s) for t in data[:, 0]])
             self._theta = nonnegative_ridge(rows, weights, self._ridged)
         return self._theta
 
@@ -215,7 +215,7 @@ class Calibration:
 
     def __init__(self, clock: Clock, half_life_s: float = HALF_LIFE_S) -> None:
         self._clock = clock
-        self._half_life_s = half_life_s
+        self.half_life_s = half_life_s
         self._accepted = np.zeros(0)  # [num_bins] faded counts
         self._seen = np.zeros(0)
         self._at: float | None = None
@@ -227,7 +227,7 @@ class Calibration:
     def _fade_to_now(self) -> None:
         now = self._clock()
         if self._at is not None:
-            factor = decay(now - self._at, self._half_life_s)
+            factor = decay(now - self._at, self.half_life_s)
             self._accepted *= factor
             self._seen *= factor
         self._at = now

@@ -73,6 +73,7 @@ class AB:
         self.shadow: Shadow | None = None
         self._owned: list[Drafter] = []
         self._tree_depth = settings.tree.depth
+        self._half_life_s = settings.policy_half_life
         self._proxy_mode = False
         self._policy: Policy | None = None
         self.guardrail_tripped = False
@@ -104,7 +105,8 @@ class AB:
         prober = None
         if settings.shadow_probes > 0:
             prober = Prober(runtime.target, settings.shadow_probes,
-                            needed=lambda: _fitted(self._policy)[0] is None)  # fmt: skip
+                            needed=lambda: _fitted(self._policy)[0] is None,
+                            half_life_s=self._half_life_s)  # fmt: skip
         self.shadow = Shadow(drafters, settings.budgets, self._tree_depth, settings.shadow_queue,
                              runtime.max_model_len, settings.shadow_busy, prober,
                              self._pricing)  # fmt: skip
