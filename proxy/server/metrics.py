@@ -51,7 +51,8 @@ class ServerMetrics:
         self.passthroughs = _counter(
             registry,
             "ddtree_passthroughs",
-            "Requests sent to the upstream unchanged, by the field that required it",
+            "Requests sent to the upstream unchanged, by the field that required it (opt_out: "
+            "the client's choice; policy: no tree could speed it up)",
             "reason",
         )
         self.relayed = _counter(
@@ -167,7 +168,7 @@ class PolicyCollector:
         snapshot = self._policy.snapshot()
         decisions = CounterMetricFamily(
             "ddtree_policy_decisions",
-            "Adaptive policy decisions, by decision (speculate, plain) and reason",
+            "Adaptive policy decisions, by decision (speculate, plain, passthrough) and reason",
             labels=["decision", "reason"],
         )
         for (kind, reason), count in sorted(snapshot["decisions"].items()):
