@@ -392,32 +392,6 @@ def test_a_request_whose_own_trees_miss_steps_aside_while_a_fresh_one_speculates
     missing.record(Finished())
 
 
-def test_a_request_no_tree_could_speed_up_goes_to_the_target_as_sent():
-    """Where not even a full-depth chain, all accepted, could beat a plain stream by the
-    band, a new request skips the loop (plain at pass-through's cost), counted in flight
-    until it ends -- but one request per half-life goes through the loop, which keeps
-    both estimates fresh; and nothing is passed before both sides were measured."""
-    clock = Clock()
-    policy = Policy(clock=clock)
-    assert policy.pass_through(4) is None  # nothing measured
-    measured(policy, clock, call_s=0.2, per_prompt_s=0.01, plain_token_s=0.02)
-    assert policy.speculation_ceiling(4, others=0) < (1 + BAND) * policy.stream_rate()
-    assert policy.pass_through(4) is None  # the loop's request of this half-life
-    ends = [policy.pass_through(4) for _ in range(3)]
-    assert all(callable(end) for end in ends) and policy.in_flight == 3
-    for end in ends + ends[:1]:  # ending twice counts once
-        end()
-    assert policy.in_flight == 0
-    assert policy.decisions["passthrough", "speculation_cannot_win"] == 3
-    clock.now += 1.01 * policy.half_life_s
-    assert policy.pass_through(4) is None  # the next half-life's loop request
-    assert callable(policy.pass_through(4))
-    # Where rounds pay, every request goes through the loop.
-    fast = Policy(clock=clock)
-    measured(fast, clock, call_s=0.02, per_prompt_s=0.001, plain_token_s=0.015)
-    assert [fast.pass_through(4) for _ in range(3)] == [None] * 3
-
-
 def test_a_stream_no_tree_could_beat_is_read_on_without_drafting():
     clock = Clock()
     policy = Policy(clock=clock)

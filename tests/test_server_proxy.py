@@ -362,46 +362,6 @@ def test_passthrough_is_byte_for_byte(vllm_server, proxies):
     assert relayed.content == direct.content
 
 
-def test_the_policy_passes_a_request_no_tree_could_speed_up(vllm_server, tmp_path):
-    """Where the adaptive policy's estimates say not even a full-depth chain, all
-    accepted, could beat a plain stream, a default request goes to vLLM as the client
-    sent it (vLLM's own bytes, counted as a pass-through and a policy decision, in the
-    trace); a request that names a DDTree choice still goes through the loop."""
-    trace = tmp_path / "trace.jsonl"
-    settings = ServerSettings(target_url=vllm_server.url, drafter="ngram", log_level="warning",
-                              policy_half_life=600, policy_trace=str(trace))  # fmt: skip
-    app = create_app(settings)
-    body = {"model": vllm_server.model, "prompt": "def add(a, b):\n", "max_tokens": 8,
-            "temperature": 0, "request_id": "policy-pass"}  # fmt: skip
-    with BackgroundServer(app) as proxy:
-        policy = app.state.server.runtime.policy
-        # Estimates of an upstream where a round of 5 prompts takes 1.5 s and a plain
-        # token 10 ms; the half-life's loop request is taken here.
-        for num_prompts in (1, 5, 9):
-            policy.calls.observe(num_prompts, num_prompts, 1.0 + 0.1 * num_prompts)
-        for num_tokens in (8, 64):
-            policy.plain.observe(num_tokens, 0.01 * num_tokens)
-        assert policy.pass_through(4) is None
-        before = scrape(proxy.url)
-        for stream in (False, True):
-            sent = body | {"stream": stream}
-            direct = httpx.post(vllm_server.url + "/v1/completions", json=sent, timeout=120)
-            relayed = httpx.post(proxy.url + "/v1/completions", json=sent, timeout=120)
-            assert relayed.headers["x-ddtree-arm"] == "passthrough"
-            assert _created_free(relayed.content) == _created_free(direct.content)
-        looped = httpx.post(proxy.url + "/v1/completions",
-                            json=body | {"ddtree": {"budget": 8}}, timeout=120)  # fmt: skip
-        assert looped.status_code == 200 and "ddtree" in looped.json()["usage"]
-        after = scrape(proxy.url)
-        assert policy.in_flight == 0
-    for name in ('ddtree_passthroughs_total{reason="policy"}',
-                 'ddtree_policy_decisions_total{decision="passthrough",'
-                 'reason="speculation_cannot_win"}'):  # fmt: skip
-        assert after.get(name, 0.0) == before.get(name, 0.0) + 2, name
-    passed = [json.loads(line) for line in trace.read_text().splitlines()]
-    assert [r["decision"] for r in passed if r["request"] is None] == ["passthrough"] * 2
-
-
 def test_passthrough_streaming(vllm_server, proxies):
     body = {"model": vllm_server.model, "prompt": "def hello():\n", "max_tokens": 8, "n": 2,
             "temperature": 0.8, "seed": 7, "stream": True}  # fmt: skip

@@ -160,7 +160,6 @@ class Policy:
         # The last decision to speculate on a tree's predicted rate, and the last plain
         # request sent to look for such trees without one (`worth_drafting`).
         self.speculated_at = self._looked_at = -float("inf")
-        self._loop_at = -float("inf")  # the last request `pass_through` kept in the loop
         self._next_request = 0
         self.in_flight = 0  # requests on this target begun and not Finished
         # Several upstream replicas: one policy each (their costs differ), by replica name.
@@ -205,64 +204,26 @@ class Policy:
         not processed; `factor`: the request's own acceptance, `RequestAcceptance`)."""
         return round_estimates(tree, self.calibration, unseen_tokens, self.round_seconds, factor)[1]
 
-    def round_seconds(
-        self, num_prompts: np.ndarray, computed_tokens: np.ndarray, others: int | None = None
-    ) -> np.ndarray:
+    def round_seconds(self, num_prompts: np.ndarray, computed_tokens: np.ndarray) -> np.ndarray:
         """Predicted seconds of a round: its call, the host's overhead, and what its
-        extra work costs the `others` requests in flight (default: all but the one
-        deciding). They share the engine's steps, so each waits for what the round asks
-        beyond a one-prompt call (its other prompts and their tokens) -- time the round
-        takes from the server, not only from its own request."""
+        extra work costs the other requests in flight. They share the engine's steps, so
+        each waits for what the round asks beyond a one-prompt call (its other prompts
+        and their tokens) -- time the round takes from the server, not only from its
+        own request."""
         prompts, tokens = np.asarray(num_prompts), np.asarray(computed_tokens)
         call = self.calls.seconds(prompts, tokens)
         extra = call - self.calls.seconds(1, tokens / prompts)
-        if others is None:
-            others = max(0, self.in_flight - 1)
+        others = max(0, self.in_flight - 1)
         return call + others * extra + (self.overhead.ratio() or 0.0)
 
-    def speculation_ceiling(self, max_depth: int, others: int | None = None) -> float:
+    def speculation_ceiling(self, max_depth: int) -> float:
         """Tokens per second of a round in which a chain of `max_depth` nodes is all
         accepted: no tree of that depth does better (a round gives at most max_depth + 1
         tokens and verifies at least max_depth + 1 prompts)."""
         num_prompts = max_depth + 1
         computed = num_prompts + max_depth * (max_depth + 1) // 2  # one unseen token each
-        seconds = float(self.round_seconds(np.asarray(num_prompts), np.asarray(computed), others))
+        seconds = float(self.round_seconds(np.asarray(num_prompts), np.asarray(computed)))
         return num_prompts / seconds if seconds > 0 else float("inf")
-
-    def pass_through(self, max_depth: int) -> Callable[[], None] | None:
-        """Should a new request go to the target as the client sent it, outside the
-        decoding loop (plain at pass-through's cost: no tokens handled here)? Yes when
-        both sides are measured and not even a chain of `max_depth` nodes, all accepted,
-        could beat an open stream by BAND at the present load (this request one more in
-        flight) -- except one request per half-life, which goes through the loop and
-        keeps both estimates fresh there (a stale one is re-measured). Returns the call
-        that ends the passed request (it counts in flight until then), or None: use
-        the loop."""
-        if self.calls.num_rows == 0 or self.plain.num_rows == 0:
-            return None
-        ceiling = self.speculation_ceiling(max_depth, others=self.in_flight)
-        plain_rate = self.stream_rate()
-        now = self.clock()
-        if ceiling > (1 + BAND) * plain_rate:
-            return None
-        if now - self._loop_at > self.half_life_s:
-            self._loop_at = now
-            return None
-        self.decisions["passthrough", "speculation_cannot_win"] += 1
-        if self.trace is not None:
-            self.trace({"t": now, "request": None, "decision": "passthrough",
-                        "reason": "speculation_cannot_win", "in_flight": self.in_flight + 1,
-                        "ceiling": ceiling, "plain_rate": plain_rate})  # fmt: skip
-        self.in_flight += 1
-        ended = False
-
-        def end() -> None:
-            nonlocal ended
-            if not ended:
-                ended = True
-                self.in_flight -= 1
-
-        return end
 
     def plain_rate(self, remaining: int, stream_open: bool) -> float:
         """Predicted tokens per second of plain generation for `remaining` tokens (an open

@@ -6,9 +6,8 @@ mode), passed to vLLM unchanged: when it asks for something DDTree cannot reprod
 losslessly (see `proxy.server.request_models`) or leaves such a server default in force
 (`proxy.generation_defaults`), when it opts out (`"ddtree": {"enabled": false}` or
 header `x-ddtree: off`), or when it names another model than the one DDTree verifies
-against; and when the adaptive policy finds that no tree could speed the request up
-(`Policy.pass_through`). Without an upstream (engine mode) such requests are refused
-with a 400 naming the field. Every other route vLLM serves is relayed as it is (`relay_route`). Errors
+against. Without an upstream (engine mode) such requests are refused with a 400 naming
+the field. Every other route vLLM serves is relayed as it is (`relay_route`). Errors
 follow OpenAI's shape; an upstream failure is a 502 (504 on timeout).
 
 Hardening (docs/RELIABILITY.md): bodies over `max_body_bytes` get a 413 (after the
@@ -32,10 +31,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from proxy.ab.measure import RequestTiming
 from proxy.backend.base import TargetError
-from proxy.decoding import resolve_depth
 from proxy.runtime import Runtime, build_runtime
 from proxy.server.ab import AB, ARM_HEADER
-from proxy.server.admission import Admission, ClosingStream
+from proxy.server.admission import Admission
 from proxy.server.errors import RequestError, upstream_error
 from proxy.server.generation import Responder
 from proxy.server.metrics import (
@@ -134,16 +132,6 @@ class Handlers:
                 response.headers[ARM_HEADER] = "passthrough"
                 return response
             arm, compared = self.ab.arm(request, body, disabled)
-            end = self._policy_pass_through(request, body)
-            if end is not None:
-                try:
-                    response = await self.passthrough(request, endpoint, raw, body, "policy")
-                except BaseException:
-                    end()
-                    raise
-                response.on_close = end  # it counts in flight until the relay ends
-                response.headers[ARM_HEADER] = "passthrough"
-                return response
             if arm == "direct":
                 label = "opt_out" if disabled else "ab_split"
 
@@ -156,7 +144,7 @@ class Handlers:
                 return await self.ab.direct(
                     relay_body, body, endpoint, RequestTiming("direct", compared=compared),
                     runtime,
-                )  # fmt: skip
+                )
         timing = RequestTiming("ddtree", compared=compared)
         parsed = request_model.parse(body, refuse_unknown=runtime.mode == "engine")
         if parsed.model is not None and parsed.model != runtime.model_name:
@@ -249,24 +237,6 @@ class Handlers:
 
     # ----- pass-through -----------------------------------------------------------
 
-    def _policy_pass_through(self, request: Request, body: dict[str, Any]):
-        """The adaptive policy's pass-through (`Policy.pass_through`) for a request that
-        leaves every DDTree choice to the server, on one upstream, outside any A/B
-        experiment: the call that ends it, or None (the decoding loop serves it)."""
-        runtime, settings = self.runtime, self.settings
-        if (
-            settings.tree.policy != "adaptive"
-            or settings.tree.kind == "none"
-            or runtime.drafter is None
-            or runtime.replicas is not None
-            or self.ab.split is not None
-            or self.ab.shadow is not None
-            or body.get("ddtree") is not None
-            or request.headers.get("x-ddtree", "").strip().lower() in ("on", "true", "1")
-        ):
-            return None
-        return runtime.policy.pass_through(resolve_depth(settings.tree, runtime.drafter))
-
     async def passthrough(
         self,
         request: Request,
@@ -274,7 +244,7 @@ class Handlers:
         raw: bytes | None,
         body: dict[str, Any],
         reason: str,
-    ) -> ClosingStream:
+    ) -> Response:
         """Send the request to vLLM unchanged (less our `ddtree` field; `raw` None: the
         body was changed); relay its answer, status and body bytes, streaming included."""
         self.metrics.passthroughs.labels(reason).inc()

@@ -51,8 +51,7 @@ class ServerMetrics:
         self.passthroughs = _counter(
             registry,
             "ddtree_passthroughs",
-            "Requests sent to the upstream unchanged, by the field that required it (opt_out: "
-            "the client's choice; policy: no tree could speed it up)",
+            "Requests sent to the upstream unchanged, by the field that required it",
             "reason",
         )
         self.relayed = _counter(
@@ -168,7 +167,7 @@ class PolicyCollector:
         snapshot = self._policy.snapshot()
         decisions = CounterMetricFamily(
             "ddtree_policy_decisions",
-            "Adaptive policy decisions, by decision (speculate, plain, passthrough) and reason",
+            "Adaptive policy decisions, by decision (speculate, plain) and reason",
             labels=["decision", "reason"],
         )
         for (kind, reason), count in sorted(snapshot["decisions"].items()):

@@ -8,11 +8,11 @@ from __future__ import annotations
 from typing import AsyncIterator
 
 import httpx
-from fastapi import Request
+from fastapi import Request, Response
+from fastapi.responses import StreamingResponse
 
 from proxy.backend.base import TargetError
 from proxy.backend.vllm import VLLMHttp
-from proxy.server.admission import ClosingStream
 from proxy.server.errors import error_body, upstream_error
 from proxy.server.metrics import ServerMetrics
 from proxy.server.responses import sse
@@ -37,10 +37,9 @@ async def relay(
     method: str,
     path: str,
     content: bytes | None,
-) -> ClosingStream:
+) -> Response:
     """Send one request to vLLM as the client sent it (`path` with the client's query
-    string); relay its status, headers and body bytes as they arrive (`on_close`: called
-    when the relay is done with, however it ends)."""
+    string); relay its status, headers and body bytes as they arrive."""
     headers = {
         name: value for name, value in request.headers.items() if name not in _NOT_FORWARDED
     }
@@ -52,7 +51,7 @@ async def relay(
         response = await upstream.open_stream(method, path, content, headers)
     except TargetError as exc:
         raise upstream_error(exc, metrics) from exc
-    relayed = ClosingStream(_relay_body(response, metrics), status_code=response.status_code)
+    relayed = StreamingResponse(_relay_body(response, metrics), status_code=response.status_code)
     relayed.raw_headers = [
         (name.lower().encode("latin-1"), value.encode("latin-1"))
         for name, value in response.headers.multi_items()
