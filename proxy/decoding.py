@@ -248,6 +248,7 @@ async def stream_generate(
         unseen_tokens = len(committed)  # context the target has not processed yet
         last_kind = None  # the previous step's kind, to count switches
         while output.finish_reason is None:
+            step_started = time.perf_counter()
             room = target.max_model_len - len(committed)
             depth = min(max_depth, output.remaining - 1, room - 1)
             shape = RoundShape(kind=settings.kind, budget=settings.budget, depth=depth)
@@ -266,6 +267,9 @@ async def stream_generate(
                 if stretch is None:
                     max_tokens = min(decision.max_tokens, room)
                     stretch = _PlainStretch(session.plain, committed, max_tokens, decision.stream)
+                else:  # a decision on the open stream: its host time prices the next
+                    stretch.rechecks += 1
+                    stretch.recheck_seconds += time.perf_counter() - step_started
                 pieces = stretch.read(
                     decision.recheck_after, committed, draft_session, output, decisions,
                     per_event=request.stream and not request.remote_text,
@@ -328,6 +332,8 @@ class _PlainStretch:
         self.first: tuple[int, float] | None = None  # (tokens, seconds) of the first piece
         self.ended = False
         self.failed = False
+        self.rechecks = 0  # decisions taken on the open call (`PlainTokens.rechecks`)
+        self.recheck_seconds = 0.0
         self._unreported = (1, len(committed))  # (calls, prompt tokens) not yet in stats
 
     async def read(
@@ -376,12 +382,16 @@ class _PlainStretch:
                 pending_logprobs.extend(logprobs or ())
                 last = time.perf_counter()
             decisions.record(self._progress(committed))
-            flush = per_event or self.ended or (recheck_after is not None and got >= recheck_after)
-            if pending and flush:
-                yield await self._piece(
+            recheck = recheck_after is not None and got >= recheck_after
+            if pending and (per_event or self.ended or recheck):
+                cut = time.perf_counter()
+                piece = await self._piece(
                     pending, pending_logprobs, output, last - started, max_model_len,
                     committed, switched,
                 )  # fmt: skip
+                if recheck and not (per_event or self.ended):  # a piece only the recheck cut
+                    self.recheck_seconds += time.perf_counter() - cut
+                yield piece
                 switched = False
                 started = last
                 pending, pending_logprobs = [], []
@@ -396,6 +406,8 @@ class _PlainStretch:
             ended=self.ended,
             failed=self.failed,
             first=self.first,
+            rechecks=self.rechecks,
+            recheck_seconds=self.recheck_seconds,
         )
 
     async def _piece(

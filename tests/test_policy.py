@@ -425,6 +425,26 @@ def test_shadows_are_spaced_by_what_drafting_costs_the_host(overhead_s, spacing)
     assert remote == Plain(512, True, SHADOW_EVERY, "plain_faster")
 
 
+def test_a_stream_spaces_its_shadows_by_what_its_own_rechecks_cost():
+    """A decision on an open stream also runs the policy and cuts a piece: once the loop
+    has reported what its rechecks took, they, not a round's overhead, set the spacing;
+    reported cumulatively, each recheck counts once."""
+    clock = Clock()
+    policy = Policy(clock=clock)
+    measured(policy, clock, call_s=0.02, per_prompt_s=0.001, plain_token_s=0.01)
+    assert policy.shadow_spacing() == 1  # a round's overhead: nothing measured
+    request = policy.request(can_plain=True, seeded=False, client_streams=True)
+    for rechecks in range(1, 11):  # 1.4 ms each: within 5 % of 0.01 s tokens every 3
+        request.record(PlainTokens([0] * (100 + rechecks), rechecks, 0.01 * rechecks,
+                                   ended=False, rechecks=rechecks,
+                                   recheck_seconds=0.0014 * rechecks))  # fmt: skip
+    request.record(Finished())
+    assert policy.snapshot()["recheck_s"] == pytest.approx(0.0014)
+    assert policy.shadow_spacing() == 3
+    decision = decide(policy, tree_of([[0.3, 0.2]] * 4), remaining=512)
+    assert decision == Plain(512, True, 3, "plain_faster")
+
+
 def test_a_client_that_does_not_stream_gets_one_answer_unless_trees_have_lately_won():
     """One answer cannot be closed early: the whole rest of the request stays plain. A
     tree that loses (the drafter had nothing here) does not decide that while trees

@@ -257,7 +257,6 @@ class Calibration:
         the walk reached (their parent accepted)."""
         if not tree.num_nodes:
             return 0.0, 0.0
-        self._fade_to_now()
         accepted = np.zeros(tree.num_nodes + 1, dtype=bool)
         accepted[0] = True
         accepted[np.asarray(accepted_nodes, dtype=np.int64)] = True

@@ -116,6 +116,10 @@ class PlainTokens:
     # The stretch's first piece: (tokens, seconds since the call was sent); a stream's
     # first event times its opening, the rest its tokens, so one stream measures both.
     first: tuple[int, float] | None = None
+    # Decisions taken on the open stream so far (`Plain.recheck_after`), and the host
+    # seconds they took: drafting, deciding, handing on the piece each one cut.
+    rechecks: int = 0
+    recheck_seconds: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -153,6 +157,8 @@ class Policy:
         self.plain = LinearCost(1, clock, ridged=(False, True), half_life_s=half_life_s)
         # host time per round outside the call: (s, n)
         self.overhead = Fading(2, clock, half_life_s)
+        # host time per decision on an open plain stream (a recheck): (s, n)
+        self.recheck = Fading(2, clock, half_life_s)
         self.calibration = Calibration(clock, half_life_s)
         self.decisions: Counter[tuple[str, str]] = Counter()  # (kind, reason)
         self.prevailing: str = "plain"  # the side of the latest decision, for new requests
@@ -240,12 +246,15 @@ class Policy:
         return 1.0 / per_token if per_token > 0 else float("inf")
 
     def shadow_spacing(self) -> int:
-        """Plain tokens between two shadows: as few as keep their host time (a round's
-        measured overhead each) within SHADOW_SHARE of the stream's, at most SHADOW_EVERY.
-        Where a token takes long next to the host's drafting (a GPU's big model), every
-        token, so a tree that would win is taken when the drafter first finds it."""
+        """Plain tokens between two shadows: as few as keep their host time (a recheck's
+        measured time each; before one was measured, a round's overhead) within
+        SHADOW_SHARE of the stream's, at most SHADOW_EVERY. Where a token takes long next
+        to the host's drafting (a GPU's big model), every token, so a tree that would win
+        is taken when the drafter first finds it."""
         per_token = float(self.plain.coefficients()[1])
-        overhead = self.overhead.ratio()
+        overhead = self.recheck.ratio()
+        if overhead is None:
+            overhead = self.overhead.ratio()
         if overhead is None or per_token <= 0:
             return SHADOW_EVERY
         return min(SHADOW_EVERY, max(1, math.ceil(overhead / (SHADOW_SHARE * per_token))))
@@ -285,6 +294,7 @@ class Policy:
             "call_per_prompt_s": float(per_prompt),
             "call_per_token_s": float(per_token),
             "round_overhead_s": float(self.overhead.ratio() or 0.0),
+            "recheck_s": float(self.recheck.ratio() or 0.0),
             "plain_opening_s": float(opening),
             "plain_per_token_s": float(plain_per_token),
             "calibration": self.calibration.table(),
@@ -311,6 +321,7 @@ class RequestPolicy:
     _decided_on: str | None = None  # the replica serving the request at the last decision
     _counted_on: Policy | None = None  # the replica policy whose in_flight counts it
     _shadows: list[_Shadow] = field(default_factory=list)
+    _rechecks_seen: tuple[int, float] = (0, 0.0)  # of the stretch now open
     _acceptance: RequestAcceptance = field(default_factory=RequestAcceptance)
 
     def __post_init__(self) -> None:
@@ -471,7 +482,12 @@ class RequestPolicy:
             self._acceptance.add(*policy.calibration.observe(outcome.tree, outcome.accepted_nodes))
         elif isinstance(outcome, PlainTokens):
             self._walk_shadows(outcome.committed)
+            counted, seconds = self._rechecks_seen
+            if outcome.rechecks > counted:
+                policy.recheck.add(outcome.recheck_seconds - seconds, outcome.rechecks - counted)
+            self._rechecks_seen = (outcome.rechecks, outcome.recheck_seconds)
             if outcome.ended:
+                self._rechecks_seen = (0, 0.0)
                 self._stream_open = False
                 self._plain_failed = outcome.failed or outcome.stretch_tokens == 0
                 if not outcome.failed and outcome.stretch_tokens > 0 and outcome.seconds > 0:

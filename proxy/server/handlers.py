@@ -45,7 +45,12 @@ from proxy.server.metrics import (
 from proxy.server.passthrough import relay
 from proxy.server.plan import opted_out, plan_request
 from proxy.server.replica_metrics import ReplicasCollector
-from proxy.server.request_models import REQUEST_MODELS, Endpoint, out_of_range_integer
+from proxy.server.request_models import (
+    REQUEST_MODELS,
+    Endpoint,
+    may_hold_long_integer,
+    out_of_range_integer,
+)
 from proxy.server.responses import sse
 from proxy.server.settings import ServerSettings
 
@@ -108,7 +113,7 @@ class Handlers:
             raise RequestError(f"request body is not valid JSON: {exc}") from None
         if not isinstance(body, dict):
             raise RequestError("request body must be a JSON object")
-        too_large = out_of_range_integer(body)
+        too_large = out_of_range_integer(body) if may_hold_long_integer(raw) else None
         if too_large is not None:
             raise RequestError(
                 f"{too_large}: the integer is outside the 64-bit range", param=too_large

@@ -16,6 +16,8 @@ the wrong type is a 400 naming it; values are judged as vLLM judges them (see
 
 from __future__ import annotations
 
+import re
+
 from typing import Annotated, Any, Callable, ClassVar, Literal
 
 import pydantic
@@ -185,6 +187,17 @@ _NEUTRAL = frozenset(
 
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+# An integer outside int64 is written with at least 19 digits in a row.
+_LONG_DIGITS = re.compile(rb"[0-9]{19}")
+
+
+def may_hold_long_integer(raw: bytes) -> bool:
+    """Can the JSON body `raw` hold an integer outside int64? A regular-expression scan of
+    the bytes, so that the walk of `out_of_range_integer` runs only when it may find one
+    (a long token-id prompt would make it cost milliseconds of Python on every request).
+    A body in UTF-16 or UTF-32 (a zero byte among the first four, as `json.loads`
+    detects them) is always walked."""
+    return b"\x00" in raw[:4] or _LONG_DIGITS.search(raw) is not None
 
 
 def out_of_range_integer(value: Any, path: str = "") -> str | None:
