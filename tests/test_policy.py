@@ -428,7 +428,8 @@ def test_shadows_are_spaced_by_what_drafting_costs_the_host(overhead_s, spacing)
 def test_a_stream_spaces_its_shadows_by_what_its_own_rechecks_cost():
     """A decision on an open stream also runs the policy and cuts a piece: once the loop
     has reported what its rechecks took, they, not a round's overhead, set the spacing;
-    reported cumulatively, each recheck counts once."""
+    reported cumulatively, each recheck counts once. The requests in flight share the
+    host's share."""
     clock = Clock()
     policy = Policy(clock=clock)
     measured(policy, clock, call_s=0.02, per_prompt_s=0.001, plain_token_s=0.01)
@@ -443,6 +444,12 @@ def test_a_stream_spaces_its_shadows_by_what_its_own_rechecks_cost():
     assert policy.shadow_spacing() == 3
     decision = decide(policy, tree_of([[0.3, 0.2]] * 4), remaining=512)
     assert decision == Plain(512, True, 3, "plain_faster")
+    # Another request in flight may draft on the same host: the share is split in two.
+    other = policy.request(can_plain=True, seeded=False, client_streams=True)
+    decision = decide(policy, tree_of([[0.3, 0.2]] * 4), remaining=512)
+    assert decision == Plain(512, True, 6, "plain_faster")
+    other.record(Finished())
+    assert policy.shadow_spacing() == 3
 
 
 def test_a_client_that_does_not_stream_gets_one_answer_unless_trees_have_lately_won():

@@ -59,9 +59,9 @@ BAND = 0.1
 # shadow), and the length of a plain re-measurement: short enough to return to
 # speculation soon, long enough that a stream's opening is not all it measures.
 SHADOW_EVERY = 8
-# The host time a plain stream's shadows may take, relative to the stream's own time
-# (`Policy.shadow_spacing`): a shadow costs about a round's host overhead, and on a host
-# shared with the engine that time is taken from the engine.
+# The host time the plain streams' rechecks may take, relative to a stream's time per
+# token (`Policy.shadow_spacing`): on a host shared with the engine that time is taken
+# from the engine.
 SHADOW_SHARE = 0.05
 
 logger = logging.getLogger("ddtree_proxy.policy")
@@ -248,16 +248,20 @@ class Policy:
     def shadow_spacing(self) -> int:
         """Plain tokens between two shadows: as few as keep their host time (a recheck's
         measured time each; before one was measured, a round's overhead) within
-        SHADOW_SHARE of the stream's, at most SHADOW_EVERY. Where a token takes long next
-        to the host's drafting (a GPU's big model), every token, so a tree that would win
-        is taken when the drafter first finds it."""
+        SHADOW_SHARE of the time a stream takes for a token, at most SHADOW_EVERY. Every
+        request in flight may be drafting on the one host meanwhile, so the share is
+        split among them. Where a token takes long next to the host's drafting (a GPU's
+        big model), every token, so a tree that would win is taken when the drafter
+        first finds it."""
         per_token = float(self.plain.coefficients()[1])
         overhead = self.recheck.ratio()
         if overhead is None:
             overhead = self.overhead.ratio()
         if overhead is None or per_token <= 0:
             return SHADOW_EVERY
-        return min(SHADOW_EVERY, max(1, math.ceil(overhead / (SHADOW_SHARE * per_token))))
+        streams = max(1, self.in_flight)
+        spacing = math.ceil(streams * overhead / (SHADOW_SHARE * per_token))
+        return min(SHADOW_EVERY, max(1, spacing))
 
     def worth_drafting(self) -> bool:
         """Should a plain request that may take the rest as one answer stream instead,
