@@ -206,6 +206,43 @@ def test_rounds_that_pay_alone_lose_when_other_requests_share_the_steps():
     assert isinstance(decide(policy), Speculate)
 
 
+def test_plain_stretches_and_calls_are_timed_without_what_other_requests_rounds_added():
+    """Rounds are charged for the time every other request in flight waits for their
+    extra prompts (`round_seconds`); the plain streams they slowed are not charged
+    again, or plain would look slower the more others speculate, and more would."""
+    clock = Clock()
+    policy = Policy(clock=clock)
+    measured(policy, clock, call_s=0.02, per_prompt_s=0.004, plain_token_s=0.01)
+    assert policy.stream_rate() == pytest.approx(100, rel=0.05)
+    speculating = policy.request(can_plain=True, seeded=False, client_streams=True)
+    for _ in range(3):
+        streaming = policy.request(can_plain=True, seeded=False, client_streams=True)
+        plain = streaming.decide(tree_of([[0.01]], budget=1), position=100, unseen_tokens=1,
+                                 remaining=64, max_depth=4)  # fmt: skip
+        assert isinstance(plain, Plain)
+        # Meanwhile ten rounds of 9 prompts: each asks 8 prompts (32 ms) beyond one,
+        # which the stream waited for too; its 64 tokens took 0.64 s + 0.32 s.
+        for _ in range(10):
+            speculating.record(RoundResult(tree_of(SURE_CHAIN), [1, 2, 3, 4], 5, 0.056,
+                                           0.056, 9, 9))  # fmt: skip
+        streaming.record(PlainTokens([0] * 164, 64, 0.64 + 0.32, ended=True))
+        streaming.record(Finished())
+    assert policy.stream_rate() == pytest.approx(100, rel=0.05)
+    # So is a round: its call waited for the other's rounds too.
+    for _ in range(3):
+        verifying = policy.request(can_plain=False, seeded=False, client_streams=True)
+        decision = verifying.decide(tree_of(SURE_CHAIN), position=100, unseen_tokens=1,
+                                    remaining=64, max_depth=4)  # fmt: skip
+        assert isinstance(decision, Speculate)
+        for _ in range(10):
+            speculating.record(RoundResult(tree_of(SURE_CHAIN), [1, 2, 3, 4], 5, 0.056,
+                                           0.056, 9, 9))  # fmt: skip
+        verifying.record(RoundResult(tree_of(SURE_CHAIN), [1, 2, 3, 4], 5, 0.056 + 0.32,
+                                     0.056 + 0.32, 9, 9))  # fmt: skip
+        verifying.record(Finished())
+    assert float(policy.calls.seconds(9, 9)) == pytest.approx(0.056, rel=0.05)
+
+
 def test_a_round_is_charged_for_the_requests_on_its_own_replica():
     """Replicas do not share steps: requests on another one cost a round nothing, and a
     request moved by a failover counts where it runs now."""

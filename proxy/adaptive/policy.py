@@ -159,6 +159,12 @@ class Policy:
         self.overhead = Fading(2, clock, half_life_s)
         # host time per decision on an open plain stream (a recheck): (s, n)
         self.recheck = Fading(2, clock, half_life_s)
+        # The rounds' work beyond a one-prompt call, summed over every round timed, s:
+        # each other request in flight waited for it (`round_seconds` charges it to the
+        # round), so plain stretches and calls are timed without what other requests'
+        # rounds added while they ran (else it would be charged twice, and the more
+        # requests speculate, the slower plain would look).
+        self.rounds_extra = 0.0
         self.calibration = Calibration(clock, half_life_s)
         self.decisions: Counter[tuple[str, str]] = Counter()  # (kind, reason)
         self.prevailing: str = "plain"  # the side of the latest decision, for new requests
@@ -326,6 +332,10 @@ class RequestPolicy:
     _counted_on: Policy | None = None  # the replica policy whose in_flight counts it
     _shadows: list[_Shadow] = field(default_factory=list)
     _rechecks_seen: tuple[int, float] = (0, 0.0)  # of the stretch now open
+    # (the replica's Policy, its rounds_extra) when the plain stretch began, or the round
+    _stretch_from: tuple[Policy, float] | None = None
+    _round_from: tuple[Policy, float] | None = None
+    _first_slowed: float | None = None  # ... by the stretch's first piece, minus that
     _acceptance: RequestAcceptance = field(default_factory=RequestAcceptance)
 
     def __post_init__(self) -> None:
@@ -370,8 +380,12 @@ class RequestPolicy:
                          decision.reason, numbers)  # fmt: skip
         self.side = policy.prevailing = kind
         self._after_tree = kind == "speculate" and tree.num_nodes > 0
+        if isinstance(decision, Speculate):
+            self._round_from = (policy, policy.rounds_extra)
         if isinstance(decision, Plain):
             self._stream_open = decision.stream
+            if self._stretch_from is None:  # a plain call is sent
+                self._stretch_from, self._first_slowed = (policy, policy.rounds_extra), None
             if tree.num_nodes:
                 self._shadows.append(_Shadow(tree, position))
         if policy.trace is not None:
@@ -478,11 +492,17 @@ class RequestPolicy:
         if isinstance(outcome, RoundResult):
             # A round that a failover moved timed two replicas and the failure between
             # them: its acceptance is real, its cost is neither replica's.
+            slowed, self._round_from = self._slowed(self._round_from), None
             if self.replica() == self._decided_on:
-                policy.calls.observe(
-                    outcome.num_prompts, outcome.computed_tokens, outcome.call_seconds
-                )
+                prompts, tokens = outcome.num_prompts, outcome.computed_tokens
+                call_seconds = outcome.call_seconds - slowed
+                if call_seconds > 0:
+                    policy.calls.observe(prompts, tokens, call_seconds)
                 policy.overhead.add(max(0.0, outcome.seconds - outcome.call_seconds), 1.0)
+                extra = policy.calls.seconds(prompts, tokens) - policy.calls.seconds(
+                    1, tokens / prompts
+                )
+                policy.rounds_extra += max(0.0, float(extra))
             self._acceptance.add(*policy.calibration.observe(outcome.tree, outcome.accepted_nodes))
         elif isinstance(outcome, PlainTokens):
             self._walk_shadows(outcome.committed)
@@ -490,20 +510,34 @@ class RequestPolicy:
             if outcome.rechecks > counted:
                 policy.recheck.add(outcome.recheck_seconds - seconds, outcome.rechecks - counted)
             self._rechecks_seen = (outcome.rechecks, outcome.recheck_seconds)
+            slowed = self._slowed(self._stretch_from)
+            if outcome.first is not None and self._first_slowed is None:
+                self._first_slowed = slowed
             if outcome.ended:
                 self._rechecks_seen = (0, 0.0)
                 self._stream_open = False
+                self._stretch_from = None
                 self._plain_failed = outcome.failed or outcome.stretch_tokens == 0
-                if not outcome.failed and outcome.stretch_tokens > 0 and outcome.seconds > 0:
+                if not outcome.failed and outcome.stretch_tokens > 0:
                     first = outcome.first
                     if first is not None and 0 < first[0] < outcome.stretch_tokens:
-                        policy.plain.observe(*first)
-                    policy.plain.observe(outcome.stretch_tokens, outcome.seconds)
+                        seconds = first[1] - (self._first_slowed or 0.0)
+                        if seconds > 0:
+                            policy.plain.observe(first[0], seconds)
+                    if outcome.seconds - slowed > 0:
+                        policy.plain.observe(outcome.stretch_tokens, outcome.seconds - slowed)
         else:
             self._shadows = []
             if self._counted_on is not None:
                 self._counted_on.in_flight -= 1
                 self._counted_on = None
+
+    def _slowed(self, began: tuple[Policy, float] | None) -> float:
+        """Seconds that other requests' rounds added to a call that began at `began`
+        (a failover moved the request since: unknown, 0)."""
+        if began is None or began[0] is not self.policy:
+            return 0.0
+        return self.policy.rounds_extra - began[1]
 
     def _walk_shadows(self, committed: Sequence[int]) -> None:
         waiting = []
