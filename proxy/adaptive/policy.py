@@ -332,10 +332,11 @@ class RequestPolicy:
     _counted_on: Policy | None = None  # the replica policy whose in_flight counts it
     _shadows: list[_Shadow] = field(default_factory=list)
     _rechecks_seen: tuple[int, float] = (0, 0.0)  # of the stretch now open
-    # (the replica's Policy, its rounds_extra) when the plain stretch began, or the round
+    # (the replica's Policy, its rounds_extra) when the plain stretch began, and when the
+    # last round was decided (`_slowed`)
     _stretch_from: tuple[Policy, float] | None = None
     _round_from: tuple[Policy, float] | None = None
-    _first_slowed: float | None = None  # ... by the stretch's first piece, minus that
+    _first_slowed: float | None = None  # what others' rounds added by the first piece
     _acceptance: RequestAcceptance = field(default_factory=RequestAcceptance)
 
     def __post_init__(self) -> None:

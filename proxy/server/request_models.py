@@ -17,7 +17,6 @@ the wrong type is a 400 naming it; values are judged as vLLM judges them (see
 from __future__ import annotations
 
 import re
-
 from typing import Annotated, Any, Callable, ClassVar, Literal
 
 import pydantic
