@@ -242,3 +242,17 @@ def test_vllms_engine_core_runs_at_the_lowest_priority(vllm_server):
     assert tasks_nice("^VLLM::EngineCore") == {19}
     assert tasks_nice("^VLLM::Worker") == {0}
     assert tasks_nice("vllm.entrypoints.openai.api_server") == {0}
+
+
+def test_upstream_client_benchmark_reads_every_event_through_both_transports(tmp_path):
+    """`benchmarks.upstream_client`, small: both transports read every event (a stream
+    short of its events would make the per-event figure a lie), and the report is written."""
+    from benchmarks import upstream_client
+
+    assert upstream_client.main(["--reps", "1", "--events", "30", "--gap-ms", "0.2",
+                                 "--out", str(tmp_path)]) == 0  # fmt: skip
+    report = json.loads((tmp_path / "upstream_client.json").read_text())
+    assert [row["read"] for row in report["rows"]] == ["parsed", "relayed"]
+    for row in report["rows"]:
+        assert row["httpx_us"] > 0 and row["aiohttp_us"] > 0
+    assert "| parsed |" in (tmp_path / "upstream_client.md").read_text()

@@ -38,6 +38,7 @@ from typing import Any, AsyncIterator, Callable, Literal, Sequence, get_args
 import httpx
 import numpy as np
 
+from proxy.backend.aiohttp_transport import AiohttpTransport
 from proxy.backend.base import (
     PlainStreamLost,
     SessionOptions,
@@ -80,15 +81,6 @@ def transport_failure(where: str, exc: httpx.HTTPError) -> TargetError:
     return TargetError(f"{where} failed: {type(exc).__name__}: {exc}", "network")
 
 
-def closed_as_it_opened(where: str, exc: AttributeError) -> TargetError:
-    """The network failure behind an AttributeError from the HTTP stack itself: on uvloop
-    a connection that the server closes as it opens has no socket left, and anyio's
-    peer-name lookup, which httpcore asks for on every new connection, fails on it
-    (`'NoneType' object has no attribute 'getpeername'`). Seen connecting to a vLLM
-    that had just been SIGKILLed."""
-    return TargetError(f"{where} failed: the connection closed as it opened ({exc})", "network")
-
-
 class VLLMHttp:
     """A pooled keep-alive client for one vLLM server; maps every failure to TargetError.
     This is the only place that talks HTTP to the upstream.
@@ -118,13 +110,7 @@ class VLLMHttp:
         def client(max_connections: int | None) -> httpx.AsyncClient:
             # Pooled connections expire before vLLM's own keep-alive timeout (uvicorn's
             # 5 s): reusing one the server has just closed fails with a ReadError.
-            pool = transport or httpx.AsyncHTTPTransport(
-                limits=httpx.Limits(
-                    max_connections=max_connections,
-                    max_keepalive_connections=max_connections or 64,
-                    keepalive_expiry=KEEPALIVE_EXPIRY_S,
-                )
-            )
+            pool = transport or AiohttpTransport(max_connections, KEEPALIVE_EXPIRY_S)
             return httpx.AsyncClient(
                 base_url=self.base_url, headers=headers, timeout=timeout, transport=pool
             )
@@ -174,8 +160,6 @@ class VLLMHttp:
             response = await self.client.request(method, path, json=body, headers=headers)
         except httpx.HTTPError as exc:
             raise transport_failure(where, exc) from exc
-        except AttributeError as exc:
-            raise closed_as_it_opened(where, exc) from exc
         if response.status_code != 200:
             raise TargetError(
                 f"{where} returned HTTP {response.status_code}: {response.text[:500]}",
@@ -216,8 +200,6 @@ class VLLMHttp:
             return await self.stream_client.send(request, stream=True)
         except httpx.HTTPError as exc:
             raise transport_failure(where, exc) from exc
-        except AttributeError as exc:
-            raise closed_as_it_opened(where, exc) from exc
 
     async def stream_events(
         self, path: str, body: Any, headers: dict[str, str] | None = None
