@@ -243,6 +243,54 @@ def test_plain_stretches_and_calls_are_timed_without_what_other_requests_rounds_
     assert float(policy.calls.seconds(9, 9)) == pytest.approx(0.056, rel=0.05)
 
 
+def plain_stretches(policy: Policy, clock: Clock, in_flight: int, per_token_s: float) -> None:
+    """`in_flight` requests, each timing plain stretches of 8 and 64 tokens, then ending."""
+    requests = [policy.request(can_plain=True, seeded=False, client_streams=True)
+                for _ in range(in_flight)]  # fmt: skip
+    for request in requests:
+        for tokens in (8, 64):
+            request.record(PlainTokens([0] * 164, tokens, tokens * per_token_s, ended=True))
+        clock.now += 0.05
+    for request in requests:
+        request.record(Finished())
+
+
+def test_plain_is_predicted_at_the_present_load():
+    """A plain stream's token takes longer the more requests share the engine's steps;
+    after a drop from 16 requests to 4 plain is predicted at 4 (at the half-life's mix of
+    both it would look slow for a half-life, and trees would win that lose). Measured at
+    one load, a stretch is predicted the same at any other (nothing says how load
+    matters), and never beyond the loads observed."""
+    clock = Clock()
+    policy = Policy(clock=clock)
+    plain_stretches(policy, clock, 1, 0.01)
+    streams = [policy.request(can_plain=True, seeded=False, client_streams=True) for _ in range(3)]
+    assert policy.stream_rate() == pytest.approx(100, rel=0.01)
+    for stream in streams:
+        stream.record(Finished())
+    plain_stretches(policy, clock, 16, 0.03)
+    plain_stretches(policy, clock, 4, 0.01 + 0.02 * 3 / 15)
+    streams = [policy.request(can_plain=True, seeded=False, client_streams=True) for _ in range(4)]
+    assert policy.stream_rate() == pytest.approx(1 / 0.014, rel=0.05)
+    streams += [policy.request(can_plain=True, seeded=False, client_streams=True)
+                for _ in range(12)]  # fmt: skip
+    assert policy.stream_rate() == pytest.approx(1 / 0.03, rel=0.05)
+    streams += [policy.request(can_plain=True, seeded=False, client_streams=True)
+                for _ in range(16)]  # fmt: skip
+    assert policy.stream_rate() == pytest.approx(1 / 0.03, rel=0.05)  # 32: as at 16
+    # Where load does not matter (a GPU's decode step barely grows with the batch), no
+    # stretch is predicted slower for it.
+    gpu = Policy(clock=clock)
+    for in_flight in (1, 16, 4):
+        plain_stretches(gpu, clock, in_flight, 0.02)
+    for in_flight in (1, 4, 16):
+        streams = [gpu.request(can_plain=True, seeded=False, client_streams=True)
+                   for _ in range(in_flight)]  # fmt: skip
+        assert gpu.stream_rate() == pytest.approx(50, rel=0.01)
+        for stream in streams:
+            stream.record(Finished())
+
+
 def test_a_round_is_charged_for_the_requests_on_its_own_replica():
     """Replicas do not share steps: requests on another one cost a round nothing, and a
     request moved by a failover counts where it runs now."""

@@ -7,7 +7,7 @@ side not measured for a while keeps its last value but counts as stale (`Fading.
   fit over the recent calls (`nonnegative_ridge`): a verification call's
   seconds = per_call + per_prompt * prompts + per_token * computed (prompts = tree
   nodes + 1, the root; computed = tokens the target had not processed, summed over the
-  prompts), a plain stretch's seconds = opening + per_token * tokens.
+  prompts); a plain stretch's (`PlainCost`) seconds = opening + per_token(load) * tokens.
 * `Fading` -- faded sums: a rate (tokens, seconds) or a mean (sum, count).
 * `Calibration` -- how often a drafted node is really accepted, per bin of the drafter's
   own conditional probability of it.
@@ -172,14 +172,55 @@ class LinearCost:
             if not self._rows:
                 return np.zeros(self._num_cols)
             data = np.asarray(self._rows)
-            rows = np.column_stack([np.ones(len(data)), data[:, 1:]])
             weights = np.array([decay(data[-1, 0] - t, self.half_life_s) for t in data[:, 0]])
-            self._theta = nonnegative_ridge(rows, weights, self._ridged)
+            self._theta = nonnegative_ridge(self._design(data[:, 1:], weights), weights, self._ridged)
         return self._theta
+
+    def _design(self, observed: np.ndarray, weights: np.ndarray) -> np.ndarray:
+        """The fit's rows [n, 1 + features + 1] = (1, features..., seconds) from the
+        observations [n, features + 1]."""
+        return np.column_stack([np.ones(len(observed)), observed])
 
     def seconds(self, *features: np.ndarray | float) -> np.ndarray:
         theta = self.coefficients()
         return theta[0] + sum(c * np.asarray(f) for c, f in zip(theta[1:], features, strict=True))
+
+
+class PlainCost(LinearCost):
+    """A plain stretch's seconds = opening + tokens * per_token(load), observed as
+    (tokens, load, seconds): `load` the requests in flight on the engine meanwhile, which
+    share its steps. per_token(load) = per_token + per_load * (load - the observed mean
+    load), both non-negative: measured at one load, the load column is zero and the fit
+    is the load-blind one; once stretches span loads, a stretch is predicted at the
+    present load, not at the mean of the last half-life's (after a drop from 16 requests
+    to 4, plain would otherwise look 16-request slow for a half-life). No extrapolation
+    outside the loads observed. What stretches cannot tell apart (all of one length) is
+    charged to the opening, not the tokens: extrapolated to a longer stretch, plain then
+    looks fast, and plain is never slower than the target alone."""
+
+    def __init__(self, clock: Clock, half_life_s: float = HALF_LIFE_S) -> None:
+        super().__init__(2, clock, ridged=(False, True, True), half_life_s=half_life_s)
+        self._mean_load = 0.0
+        self._loads = (0.0, 0.0)  # the least and most observed
+
+    def _design(self, observed: np.ndarray, weights: np.ndarray) -> np.ndarray:
+        tokens, load, seconds = observed.T
+        # Centred so that the load column is orthogonal to the tokens column (weighted):
+        # per_token is the time at the mean load whatever per_load comes out.
+        self._mean_load = float(np.average(load, weights=weights * tokens**2))
+        self._loads = (float(load.min()), float(load.max()))
+        return np.column_stack(
+            [np.ones(len(tokens)), tokens, tokens * (load - self._mean_load), seconds]
+        )
+
+    def opening(self) -> float:
+        return float(self.coefficients()[0])
+
+    def per_token(self, load: float) -> float:
+        """Seconds per token at `load` requests in flight (0 before any observation)."""
+        _, per_token, per_load = self.coefficients()
+        load = min(max(load, self._loads[0]), self._loads[1])
+        return float(per_token + per_load * (load - self._mean_load))
 
 
 def edge_log_probs(tree: DraftTree) -> np.ndarray:

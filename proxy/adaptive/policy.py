@@ -9,7 +9,8 @@ rule with the numbers that decide it; in short:
   the round's work beyond a one-prompt call once for each other request in flight:
   they share the engine's steps);
 * plain generation's rate = the tokens the request still needs over the fitted time of a
-  plain stretch that long (its opening counted unless a stream is already open);
+  plain stretch that long at the present load (its opening counted unless a stream is
+  already open);
 * a request changes side only when the other side is faster by BAND;
 * every estimate fades with one half-life (`Policy.half_life_s`), and when one side's
   estimate is a half-life older than the other's, one request re-measures it: two rounds
@@ -47,6 +48,7 @@ from proxy.adaptive.estimates import (
     Clock,
     Fading,
     LinearCost,
+    PlainCost,
     RequestAcceptance,
 )
 from proxy.tree import DraftTree, walk
@@ -151,10 +153,8 @@ class Policy:
         self.half_life_s = half_life_s  # of every estimate, and their staleness bound
         # verification: (prompts, computed tokens) -> s
         self.calls = LinearCost(2, clock, half_life_s=half_life_s)
-        # A plain stretch: (tokens) -> s. What its stretches cannot tell apart (all of one
-        # length) is charged to the opening, not the tokens: extrapolated to a longer
-        # stretch, plain then looks fast, and plain is never slower than the target alone.
-        self.plain = LinearCost(1, clock, ridged=(False, True), half_life_s=half_life_s)
+        # A plain stretch: (tokens, requests in flight) -> s
+        self.plain = PlainCost(clock, half_life_s)
         # host time per round outside the call: (s, n)
         self.overhead = Fading(2, clock, half_life_s)
         # host time per decision on an open plain stream (a recheck): (s, n)
@@ -223,10 +223,15 @@ class Policy:
         and their tokens) -- time the round takes from the server, not only from its
         own request."""
         prompts, tokens = np.asarray(num_prompts), np.asarray(computed_tokens)
-        call = self.calls.seconds(prompts, tokens)
-        extra = call - self.calls.seconds(1, tokens / prompts)
         others = max(0, self.in_flight - 1)
-        return call + others * extra + (self.overhead.ratio() or 0.0)
+        extra = self.round_extra(prompts, tokens)
+        return self.calls.seconds(prompts, tokens) + others * extra + (self.overhead.ratio() or 0.0)
+
+    def round_extra(self, num_prompts: np.ndarray, computed_tokens: np.ndarray) -> np.ndarray:
+        """Predicted seconds a verification call takes beyond a one-prompt call with as
+        many tokens per prompt: what every other request in flight waits for."""
+        per_prompt = np.asarray(computed_tokens) / np.asarray(num_prompts)
+        return self.calls.seconds(num_prompts, computed_tokens) - self.calls.seconds(1, per_prompt)
 
     def speculation_ceiling(self, max_depth: int) -> float:
         """Tokens per second of a round in which a chain of `max_depth` nodes is all
@@ -242,13 +247,12 @@ class Policy:
         stream has paid its opening: `stream_rate`)."""
         if stream_open:
             return self.stream_rate()
-        opening, per_token = self.plain.coefficients()
-        seconds = opening + per_token * remaining
+        seconds = self.plain.opening() + self.plain.per_token(self.in_flight) * remaining
         return float(remaining / seconds) if seconds > 0 else float("inf")
 
     def stream_rate(self) -> float:
-        """Predicted tokens per second of an open plain stream."""
-        per_token = float(self.plain.coefficients()[1])
+        """Predicted tokens per second of an open plain stream, at the present load."""
+        per_token = self.plain.per_token(self.in_flight)
         return 1.0 / per_token if per_token > 0 else float("inf")
 
     def shadow_spacing(self) -> int:
@@ -259,7 +263,7 @@ class Policy:
         split among them. Where a token takes long next to the host's drafting (a GPU's
         big model), every token, so a tree that would win is taken when the drafter
         first finds it."""
-        per_token = float(self.plain.coefficients()[1])
+        per_token = self.plain.per_token(self.in_flight)
         overhead = self.recheck.ratio()
         if overhead is None:
             overhead = self.overhead.ratio()
@@ -298,7 +302,7 @@ class Policy:
 
     def snapshot(self) -> dict[str, Any]:
         per_call, per_prompt, per_token = self.calls.coefficients()
-        opening, plain_per_token = self.plain.coefficients()
+        opening, _, per_load = self.plain.coefficients()
         return {
             "call_s": float(per_call),
             "call_per_prompt_s": float(per_prompt),
@@ -306,7 +310,8 @@ class Policy:
             "round_overhead_s": float(self.overhead.ratio() or 0.0),
             "recheck_s": float(self.recheck.ratio() or 0.0),
             "plain_opening_s": float(opening),
-            "plain_per_token_s": float(plain_per_token),
+            "plain_per_token_s": self.plain.per_token(self.in_flight),  # at the present load
+            "plain_per_load_s": float(per_load),  # per token, per request in flight more
             "calibration": self.calibration.table(),
             "decisions": dict(self.decisions),
         }
@@ -332,9 +337,9 @@ class RequestPolicy:
     _counted_on: Policy | None = None  # the replica policy whose in_flight counts it
     _shadows: list[_Shadow] = field(default_factory=list)
     _rechecks_seen: tuple[int, float] = (0, 0.0)  # of the stretch now open
-    # (the replica's Policy, its rounds_extra) when the plain stretch began, and when the
-    # last round was decided (`_slowed`)
-    _stretch_from: tuple[Policy, float] | None = None
+    # (the replica's Policy, its rounds_extra) when the last round was decided, and (the
+    # same, the requests then in flight) when the plain stretch began (`_slowed`)
+    _stretch_from: tuple[Policy, float, int] | None = None
     _round_from: tuple[Policy, float] | None = None
     _first_slowed: float | None = None  # what others' rounds added by the first piece
     _acceptance: RequestAcceptance = field(default_factory=RequestAcceptance)
@@ -386,7 +391,8 @@ class RequestPolicy:
         if isinstance(decision, Plain):
             self._stream_open = decision.stream
             if self._stretch_from is None:  # a plain call is sent
-                self._stretch_from, self._first_slowed = (policy, policy.rounds_extra), None
+                self._stretch_from = (policy, policy.rounds_extra, policy.in_flight)
+                self._first_slowed = None
             if tree.num_nodes:
                 self._shadows.append(_Shadow(tree, position))
         if policy.trace is not None:
@@ -500,10 +506,7 @@ class RequestPolicy:
                 if call_seconds > 0:
                     policy.calls.observe(prompts, tokens, call_seconds)
                 policy.overhead.add(max(0.0, outcome.seconds - outcome.call_seconds), 1.0)
-                extra = policy.calls.seconds(prompts, tokens) - policy.calls.seconds(
-                    1, tokens / prompts
-                )
-                policy.rounds_extra += max(0.0, float(extra))
+                policy.rounds_extra += max(0.0, float(policy.round_extra(prompts, tokens)))
             self._acceptance.add(*policy.calibration.observe(outcome.tree, outcome.accepted_nodes))
         elif isinstance(outcome, PlainTokens):
             self._walk_shadows(outcome.committed)
@@ -515,6 +518,10 @@ class RequestPolicy:
             if outcome.first is not None and self._first_slowed is None:
                 self._first_slowed = slowed
             if outcome.ended:
+                # The requests in flight over the stretch: the mean of its start and now.
+                began, load = self._stretch_from, float(policy.in_flight)
+                if began is not None and began[0] is policy:
+                    load = (began[2] + load) / 2
                 self._rechecks_seen = (0, 0.0)
                 self._stream_open = False
                 self._stretch_from = None
@@ -524,16 +531,16 @@ class RequestPolicy:
                     if first is not None and 0 < first[0] < outcome.stretch_tokens:
                         seconds = first[1] - (self._first_slowed or 0.0)
                         if seconds > 0:
-                            policy.plain.observe(first[0], seconds)
+                            policy.plain.observe(first[0], load, seconds)
                     if outcome.seconds - slowed > 0:
-                        policy.plain.observe(outcome.stretch_tokens, outcome.seconds - slowed)
+                        policy.plain.observe(outcome.stretch_tokens, load, outcome.seconds - slowed)
         else:
             self._shadows = []
             if self._counted_on is not None:
                 self._counted_on.in_flight -= 1
                 self._counted_on = None
 
-    def _slowed(self, began: tuple[Policy, float] | None) -> float:
+    def _slowed(self, began: tuple[Policy, float] | tuple[Policy, float, int] | None) -> float:
         """Seconds that other requests' rounds added to a call that began at `began`
         (a failover moved the request since: unknown, 0)."""
         if began is None or began[0] is not self.policy:

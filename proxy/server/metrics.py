@@ -178,7 +178,8 @@ class PolicyCollector:
             "The policy's estimates (seconds): verification call = call_s + "
             "call_per_prompt_s * prompts + call_per_token_s * computed tokens; round_overhead_s "
             "= host time per round outside the call; plain stretch = plain_opening_s + "
-            "plain_per_token_s * tokens",
+            "plain_per_token_s * tokens at the present load (plain_per_load_s more per token "
+            "per request in flight more)",
             labels=["name"],
         )
         for name, value in snapshot.items():
