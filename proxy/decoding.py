@@ -382,14 +382,16 @@ class _PlainStretch:
                 pending_logprobs.extend(logprobs or ())
                 last = time.perf_counter()
             decisions.record(self._progress(committed))
-            recheck = recheck_after is not None and got >= recheck_after
-            if pending and (per_event or self.ended or recheck):
+            # A piece only the recheck cuts is part of the recheck's host time.
+            recheck_only = recheck_after is not None and got >= recheck_after
+            recheck_only &= not (per_event or self.ended)
+            if pending and (per_event or self.ended or recheck_only):
                 cut = time.perf_counter()
                 piece = await self._piece(
                     pending, pending_logprobs, output, last - started, max_model_len,
                     committed, switched,
                 )  # fmt: skip
-                if recheck and not (per_event or self.ended):  # a piece only the recheck cut
+                if recheck_only:
                     self.recheck_seconds += time.perf_counter() - cut
                 yield piece
                 switched = False

@@ -48,7 +48,6 @@ from proxy.server.replica_metrics import ReplicasCollector
 from proxy.server.request_models import (
     REQUEST_MODELS,
     Endpoint,
-    may_hold_long_integer,
     out_of_range_integer,
 )
 from proxy.server.responses import sse
@@ -113,7 +112,7 @@ class Handlers:
             raise RequestError(f"request body is not valid JSON: {exc}") from None
         if not isinstance(body, dict):
             raise RequestError("request body must be a JSON object")
-        too_large = out_of_range_integer(body) if may_hold_long_integer(raw) else None
+        too_large = out_of_range_integer(body, raw)
         if too_large is not None:
             raise RequestError(
                 f"{too_large}: the integer is outside the 64-bit range", param=too_large

@@ -190,20 +190,22 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 _LONG_DIGITS = re.compile(rb"[0-9]{19}")
 
 
-def may_hold_long_integer(raw: bytes) -> bool:
-    """Can the JSON body `raw` hold an integer outside int64? A regular-expression scan of
-    the bytes, so that the walk of `out_of_range_integer` runs only when it may find one
-    (a long token-id prompt would make it cost milliseconds of Python on every request).
-    A body in UTF-16 or UTF-32 (a zero byte among the first four, as `json.loads`
-    detects them) is always walked."""
-    return b"\x00" in raw[:4] or _LONG_DIGITS.search(raw) is not None
+def out_of_range_integer(body: Any, raw: bytes) -> str | None:
+    """The dotted path of the first JSON integer in the request `body` (parsed from
+    `raw`) that a 64-bit integer cannot hold, or None. Checked before a request is served
+    or passed on: vLLM answers such a top_k with a 500 and an empty message (vLLM 0.32),
+    where the field is the client's mistake.
+
+    Such an integer is written with at least 19 digits in a row: a regular-expression
+    scan of `raw` first, so that the walk of `body` runs only when it may find one (on a
+    long token-id prompt it costs milliseconds of Python). A body in UTF-16 or UTF-32 (a
+    zero byte among the first four, as `json.loads` detects them) is always walked."""
+    if b"\x00" in raw[:4] or _LONG_DIGITS.search(raw) is not None:
+        return _outside_int64(body, "")
+    return None
 
 
-def out_of_range_integer(value: Any, path: str = "") -> str | None:
-    """The dotted path of the first JSON integer in `value` that a 64-bit integer cannot
-    hold, or None. Checked before a request is served or passed on: vLLM answers such a
-    top_k with a 500 and an empty message (vLLM 0.32), where the field is the client's
-    mistake."""
+def _outside_int64(value: Any, path: str) -> str | None:
     if isinstance(value, int) and not isinstance(value, bool):
         return path if not INT64_MIN <= value <= INT64_MAX else None
     if isinstance(value, dict):
@@ -213,7 +215,7 @@ def out_of_range_integer(value: Any, path: str = "") -> str | None:
     else:
         return None
     for name, item in items:
-        found = out_of_range_integer(item, name)
+        found = _outside_int64(item, name)
         if found is not None:
             return found
     return None
