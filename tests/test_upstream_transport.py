@@ -221,3 +221,36 @@ def test_the_request_goes_out_as_httpx_built_it_and_compressed_answers_are_decod
     assert fields["authorization"] == "Bearer sk-test"
     assert fields["content-type"] == "application/json"
     assert fields["user-agent"].startswith("python-httpx/")
+
+
+def test_a_stream_closed_before_its_end_closes_its_connection():
+    """vLLM aborts a request whose connection closes: the plain path closes a stream it
+    no longer reads (a switch to speculation, a client gone) and relies on that."""
+    closed = asyncio.Event()
+
+    async def endless(reader, writer) -> None:
+        await server.read_request(reader)
+        writer.write(STREAM_HEAD)
+        try:  # until the client's end closes (a write may then fail first)
+            while not reader.at_eof():
+                writer.write(chunk(EVENT))
+                await writer.drain()
+                await asyncio.sleep(0.01)
+        finally:
+            closed.set()
+
+    server = Server(endless)
+
+    async def scenario() -> bool:
+        async with server.running() as url:
+            http = VLLMHttp(url)
+            try:
+                events = http.stream_events("/v1/completions", {"stream": True})
+                await anext(events)
+                await events.aclose()
+                await asyncio.wait_for(closed.wait(), timeout=5)
+                return closed.is_set()
+            finally:
+                await http.aclose()
+
+    assert run(scenario())
