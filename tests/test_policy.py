@@ -259,8 +259,11 @@ def test_plain_is_predicted_at_the_present_load():
     """A plain stream's token takes longer the more requests share the engine's steps;
     after a drop from 16 requests to 4 plain is predicted at 4 (at the half-life's mix of
     both it would look slow for a half-life, and trees would win that lose). Measured at
-    one load, a stretch is predicted the same at any other (nothing says how load
-    matters), and never beyond the loads observed."""
+    one load, a stretch is predicted the same at a higher one (nothing says how load
+    matters); outside the loads observed plain is taken as fast as it could be: no
+    slower above (an engine step of more sequences is never faster), in proportion
+    below (a step of fewer takes no less than its share) -- so after a drop to a load
+    never measured, plain is measured before trees are taken on the old load's word."""
     clock = Clock()
     policy = Policy(clock=clock)
     plain_stretches(policy, clock, 1, 0.01)
@@ -278,6 +281,12 @@ def test_plain_is_predicted_at_the_present_load():
     streams += [policy.request(can_plain=True, seeded=False, client_streams=True)
                 for _ in range(16)]  # fmt: skip
     assert policy.stream_rate() == pytest.approx(1 / 0.03, rel=0.05)  # 32: as at 16
+    fresh = Policy(clock=clock)
+    plain_stretches(fresh, clock, 16, 0.03)
+    streams = [fresh.request(can_plain=True, seeded=False, client_streams=True) for _ in range(4)]
+    assert fresh.stream_rate() == pytest.approx(4 / 0.03, rel=0.05)
+    for stream in streams:
+        stream.record(Finished())
     # Where load does not matter (a GPU's decode step barely grows with the batch), no
     # stretch is predicted slower for it.
     gpu = Policy(clock=clock)

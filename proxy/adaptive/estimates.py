@@ -193,8 +193,8 @@ class PlainCost(LinearCost):
     load), both non-negative: measured at one load, the load column is zero and the fit
     is the load-blind one; once stretches span loads, a stretch is predicted at the
     present load, not at the mean of the last half-life's (after a drop from 16 requests
-    to 4, plain would otherwise look 16-request slow for a half-life). No extrapolation
-    outside the loads observed. What stretches cannot tell apart (all of one length) is
+    to 4, plain would otherwise look 16-request slow for a half-life). Outside the loads
+    observed, see `per_token`. What stretches cannot tell apart (all of one length) is
     charged to the opening, not the tokens: extrapolated to a longer stretch, plain then
     looks fast, and plain is never slower than the target alone."""
 
@@ -217,10 +217,15 @@ class PlainCost(LinearCost):
         return float(self.coefficients()[0])
 
     def per_token(self, load: float) -> float:
-        """Seconds per token at `load` requests in flight (0 before any observation)."""
+        """Seconds per token at `load` requests in flight (0 before any observation).
+        Outside the loads observed, the fastest plain could be -- plain is never slower
+        than the target alone, so where unsure it is the side to favour: an engine step
+        of more sequences is never faster (above: as at the most observed), and one of
+        fewer takes no less than its share of a step of more (below: in proportion)."""
         _, per_token, per_load = self.coefficients()
-        load = min(max(load, self._loads[0]), self._loads[1])
-        return float(per_token + per_load * (load - self._mean_load))
+        least, most = self._loads
+        seconds = float(per_token + per_load * (min(max(load, least), most) - self._mean_load))
+        return seconds * load / least if 0 < load < least else seconds
 
 
 def edge_log_probs(tree: DraftTree) -> np.ndarray:
