@@ -24,9 +24,9 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
 
     aiohttp resends an idempotent request (GET) once when its connection closes before
     the answer (RFC 9112, 9.3.1: a pooled connection the server had just closed);
-    `VLLMHttp`'s own retries come on top. The session is made on first use, in the running event loop (aiohttp binds it to
-    one); a request from another loop gets a new one (the old cannot be closed from
-    there)."""
+    `VLLMHttp`'s own retries come on top. The session is made on first use, in the
+    running event loop (aiohttp binds it to one); a request from another loop gets a
+    new one (the old cannot be closed from there)."""
 
     def __init__(self, max_connections: int | None, keepalive_expiry: float) -> None:
         self._max_connections = max_connections
