@@ -128,6 +128,13 @@ def measured(policy: Policy, clock: Clock, *, call_s: float, per_prompt_s: float
     clock.now += 0.01
 
 
+def busy(policy: Policy, clock: Clock, seconds: float) -> None:
+    """`seconds` with a request in flight (one that measures nothing)."""
+    request = policy.request(can_plain=True, seeded=False, client_streams=True)
+    clock.now += seconds
+    request.record(Finished())
+
+
 def decide(policy: Policy, tree=None, *, seeded=False, streams=True, remaining=64, new=1,
            remote_text=False):  # fmt: skip
     """A new request's first decision (the request then ends)."""
@@ -358,12 +365,13 @@ def test_engine_mode_sizes_the_tree_and_never_goes_plain():
 
 def stale_speculation() -> Policy:
     """A policy on which plain wins, its speculation estimate two half-lives older than
-    plain's (just measured): due for a re-measurement."""
+    plain's (just measured, by a request in flight all that time): due for a
+    re-measurement."""
     clock = Clock()
     policy = Policy(clock=clock)
     measured(policy, clock, call_s=0.2, per_prompt_s=0.01, plain_token_s=0.02)
-    clock.now += 2 * HALF_LIFE_S
     request = policy.request(can_plain=True, seeded=False, client_streams=True)
+    clock.now += 2 * HALF_LIFE_S
     request.record(PlainTokens([0] * 64, 64, 64 * 0.02, ended=True))
     return policy
 
@@ -378,13 +386,40 @@ def test_the_older_side_is_remeasured_by_one_request():
     clock2 = Clock()
     other = Policy(clock=clock2)
     measured(other, clock2, call_s=0.01, per_prompt_s=0.0001, plain_token_s=0.05)
-    clock2.now += 2 * HALF_LIFE_S
     request = other.request(can_plain=True, seeded=False, client_streams=True)
+    clock2.now += 2 * HALF_LIFE_S
     request.record(RoundResult(tree_of(SURE_CHAIN), [1, 2], 3, 0.011, 0.0105, 5, 8))
     assert isinstance(request.decide(tree_of(SURE_CHAIN), position=9, unseen_tokens=3, remaining=64, max_depth=4),
                       Speculate)  # fmt: skip
     probe = request.decide(tree_of(SURE_CHAIN), position=12, unseen_tokens=3, remaining=64, max_depth=4)
     assert probe == Plain(SHADOW_EVERY, True, None, "remeasure_plain")
+
+
+def test_a_pause_makes_no_estimate_stale():
+    """Ages count only time with requests in flight: requests that come one at a time,
+    1.5 half-lives apart, do not re-measure speculation (with wall-clock ages, every
+    other one would: plain is measured by each, speculation by none); a half-life of
+    serving does."""
+    clock = Clock()
+    policy = Policy(clock=clock)
+    measured(policy, clock, call_s=0.2, per_prompt_s=0.01, plain_token_s=0.02)
+
+    def plain_request(seconds: float) -> str:
+        request = policy.request(can_plain=True, seeded=False, client_streams=True)
+        decision = request.decide(tree_of(SURE_CHAIN), position=100, unseen_tokens=1,
+                                  remaining=64, max_depth=4)  # fmt: skip
+        clock.now += seconds
+        request.record(PlainTokens([0] * 64, 64, seconds, ended=True))
+        request.record(Finished())
+        return decision.reason
+
+    reasons = []
+    for _ in range(6):
+        clock.now += 1.5 * HALF_LIFE_S  # nothing in flight
+        reasons.append(plain_request(64 * 0.02))
+    assert reasons == ["plain_faster"] * 6
+    plain_request(HALF_LIFE_S)  # served on for a half-life
+    assert plain_request(64 * 0.02) == "remeasure_speculation"
 
 
 def test_speculation_is_remeasured_by_two_rounds_of_two_sizes():
@@ -560,14 +595,14 @@ def test_a_client_that_does_not_stream_gets_one_answer_unless_trees_have_lately_
     # No request has speculated: one looks, the others get one answer ...
     looks = [decide(cheap, nothing_drafted, streams=False, remaining=512) for _ in range(3)]
     assert looks == [drafted, one_answer, one_answer]
-    clock.now += HALF_LIFE_S * 1.01  # ... until a half-life later
+    busy(cheap, clock, HALF_LIFE_S * 1.01)  # ... until a half-life of serving later
     assert decide(cheap, nothing_drafted, streams=False, remaining=512) == drafted
     assert decide(cheap, nothing_drafted, streams=False, remaining=512) == one_answer
     # A request speculated on its tree: every loser drafts on for a half-life.
     assert isinstance(decide(cheap), Speculate)
     assert decide(cheap, nothing_drafted, streams=False, remaining=512) == drafted
     assert decide(cheap, nothing_drafted, streams=False, remaining=512) == drafted
-    clock.now += HALF_LIFE_S * 1.01
+    busy(cheap, clock, HALF_LIFE_S * 1.01)
     assert decide(cheap, nothing_drafted, streams=False, remaining=512) == drafted  # the look
     assert decide(cheap, nothing_drafted, streams=False, remaining=512) == one_answer
     dear = Policy(clock=clock)
@@ -610,8 +645,8 @@ def scripted_decisions(stretch: float, half_life_s: float) -> list:
              plain_token_s=0.02 * stretch)  # fmt: skip
     decisions = []
     for _ in range(16):  # 16 s of plain streaming at the GPU's pace
-        clock.now += 1.0 * stretch
         request = policy.request(can_plain=True, seeded=False, client_streams=True)
+        clock.now += 1.0 * stretch
         request.record(PlainTokens([0] * 50, 50, 50 * 0.02 * stretch, ended=True))
         request.record(Finished())
         decisions += [decide(policy, remaining=512),

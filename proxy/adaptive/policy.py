@@ -15,6 +15,8 @@ rule with the numbers that decide it; in short:
 * every estimate fades with one half-life (`Policy.half_life_s`), and when one side's
   estimate is a half-life older than the other's, one request re-measures it: two rounds
   (a whole tree, then at most half its nodes), or a plain stretch of SHADOW_EVERY tokens.
+  Ages count only time with requests in flight (`Policy.busy_time`): an idle proxy
+  learns nothing, so a pause makes no estimate staler than the other.
 
 Exceptions: a target that cannot generate plainly (engine mode) always speculates,
 choosing n (0: the root alone, one plain step); a seeded request is generated plainly in
@@ -170,10 +172,14 @@ class Policy:
         self.prevailing: str = "plain"  # the side of the latest decision, for new requests
         self._claimed = {"speculate": -float("inf"), "plain": -float("inf")}
         # The last decision to speculate on a tree's predicted rate, and the last plain
-        # request sent to look for such trees without one (`worth_drafting`).
+        # request sent to look for such trees without one (`worth_drafting`), busy s.
         self.speculated_at = self._looked_at = -float("inf")
+        # When each side was last measured, busy s (`measured_at`).
+        self._measured = {"speculate": -float("inf"), "plain": -float("inf")}
         self._next_request = 0
         self.in_flight = 0  # requests on this target begun and not Finished
+        self._busy_s = 0.0  # busy time before the present busy spell
+        self._busy_since: float | None = None  # clock when in_flight last left 0
         # Several upstream replicas: one policy each (their costs differ), by replica name.
         self.replicas: dict[str, Policy] = {}
 
@@ -273,12 +279,33 @@ class Policy:
         spacing = math.ceil(streams * overhead / (SHADOW_SHARE * per_token))
         return min(SHADOW_EVERY, max(1, spacing))
 
+    def busy_time(self) -> float:
+        """Seconds during which requests were in flight on this target: the clock of
+        staleness. Wall-clock ages would make every request after a pause re-measure
+        what nothing has changed -- with a request every 15 s, every other one."""
+        if self._busy_since is None:
+            return self._busy_s
+        return self._busy_s + self.clock() - self._busy_since
+
+    def enter(self) -> None:
+        """A request is in flight here."""
+        if self.in_flight == 0:
+            self._busy_since = self.clock()
+        self.in_flight += 1
+
+    def leave(self) -> None:
+        """A request here has finished (or moved to another replica)."""
+        self.in_flight -= 1
+        if self.in_flight == 0 and self._busy_since is not None:
+            self._busy_s += self.clock() - self._busy_since
+            self._busy_since = None
+
     def worth_drafting(self) -> bool:
         """Should a plain request that may take the rest as one answer stream instead,
         drafting as it goes? Yes if a request speculated on a tree's predicted rate
         within the last half-life; if none did, yes for one request per half-life (its
-        trees re-measure the chance, as a stale estimate is re-measured)."""
-        now = self.clock()
+        trees re-measure the chance, as a stale estimate is re-measured); busy time."""
+        now = self.busy_time()
         if now - self.speculated_at <= self.half_life_s:
             return True
         if now - self._looked_at <= self.half_life_s:
@@ -286,10 +313,12 @@ class Policy:
         self._looked_at = now
         return True
 
+    def note_measured(self, side: str) -> None:
+        self._measured[side] = self.busy_time()
+
     def measured_at(self, side: str) -> float:
-        """When `side`'s estimate was last measured or a re-measurement claimed."""
-        updated = (self.calls if side == "speculate" else self.plain).updated
-        return max(self._claimed[side], -float("inf") if updated is None else updated)
+        """When `side`'s estimate was last measured or a re-measurement claimed, busy s."""
+        return max(self._claimed[side], self._measured[side])
 
     def claim(self, side: str) -> bool:
         """Is `side`'s estimate a half-life older than the other's? True for the one
@@ -297,7 +326,7 @@ class Policy:
         other = "plain" if side == "speculate" else "speculate"
         if self.measured_at(other) - self.measured_at(side) <= self.half_life_s:
             return False
-        self._claimed[side] = self.clock()
+        self._claimed[side] = self.busy_time()
         return True
 
     def snapshot(self) -> dict[str, Any]:
@@ -358,8 +387,8 @@ class RequestPolicy:
         policy = self.policy
         if self._counted_on is not policy:
             if self._counted_on is not None:
-                self._counted_on.in_flight -= 1
-            policy.in_flight += 1
+                self._counted_on.leave()
+            policy.enter()
             self._counted_on = policy
 
     def decide(
@@ -463,12 +492,12 @@ class RequestPolicy:
         if go_plain:
             numbers["ceiling"] = ceiling = policy.speculation_ceiling(max_depth)
             return self._plain(remaining, "plain_faster", ceiling), numbers
-        policy.speculated_at = policy.clock()
+        policy.speculated_at = policy.busy_time()
         return Speculate(best, "speculation_faster"), numbers
 
     def _ages(self) -> dict[str, float]:
-        """How old each side's estimate is, s (None: never measured)."""
-        now = self.policy.clock()
+        """How old each side's estimate is, busy s (None: never measured)."""
+        now = self.policy.busy_time()
         ages = {side: now - self.policy.measured_at(side) for side in ("speculate", "plain")}
         return {f"{side}_age_s": None if math.isinf(age) else age for side, age in ages.items()}
 
@@ -505,6 +534,7 @@ class RequestPolicy:
                 call_seconds = outcome.call_seconds - slowed
                 if call_seconds > 0:
                     policy.calls.observe(prompts, tokens, call_seconds)
+                    policy.note_measured("speculate")
                 policy.overhead.add(max(0.0, outcome.seconds - outcome.call_seconds), 1.0)
                 policy.rounds_extra += max(0.0, float(policy.round_extra(prompts, tokens)))
             self._acceptance.add(*policy.calibration.observe(outcome.tree, outcome.accepted_nodes))
@@ -534,10 +564,11 @@ class RequestPolicy:
                             policy.plain.observe(first[0], load, seconds)
                     if outcome.seconds - slowed > 0:
                         policy.plain.observe(outcome.stretch_tokens, load, outcome.seconds - slowed)
+                        policy.note_measured("plain")
         else:
             self._shadows = []
             if self._counted_on is not None:
-                self._counted_on.in_flight -= 1
+                self._counted_on.leave()
                 self._counted_on = None
 
     def _slowed(self, began: tuple[Policy, float] | tuple[Policy, float, int] | None) -> float:
