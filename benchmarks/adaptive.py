@@ -44,7 +44,8 @@ the JSON (tests/test_readme.py checks it).
 Phases mode (`--mode phases`): a cold start on a changing workload. Per upstream,
 concurrency (1, 4) and client, fresh proxies (nothing learnt), then three phases, code
 -> random tokens -> other code prompts, `--phase-requests` each, sent in batches of
-`concurrency` requests (one per client), each batch to direct, pass-through (the new
+`concurrency` requests (one per client; `--pause S`: S idle seconds after each batch, for
+traffic that comes now and then), each batch to direct, pass-through (the new
 proxy with `x-ddtree: off`: what the extra hop alone costs), old and new in turn,
 rotating which goes first, vLLM's prefix cache emptied before each (so that the first
 does not pay the prompts' prefill for the others). Batches, not one
@@ -52,8 +53,8 @@ pass of the phase sequence per configuration, so that all see the same requests
 in the same order under the same load of the host (vLLM-CPU's slow spells come and go
 by the minute and would hit one pass, not the others), and each proxy learns from
 exactly the same traffic; the cost is that a proxy idles while the others serve
-their batch, so a policy's clock-time constants see several times the wall time
-per request they would alone. Per phase and configuration: tokens over seconds from
+their batch, so a policy's fading sees several times the wall time per request it
+would alone (its staleness counts only time with requests in flight). Per phase and configuration: tokens over seconds from
 the phase's first request (`adaptive_report.summarize_phase`), its ratio to direct,
 every batch's tokens/s. Writes benchmarks/results/adaptive_phases.{json,md}.
 
@@ -282,6 +283,7 @@ def run_phases(served: Served, prompt_sets: dict[str, list], args, bar: tqdm) ->
                                                         concurrency, client, args.max_tokens))  # fmt: skip
                             bar.update()
                         turn += 1
+                        time.sleep(args.pause)
                     cell = {"upstream": served.name, "concurrency": concurrency,
                             "client": client, "phase": phase, "prompts": set_name}  # fmt: skip
                     rows += report.summarize_phase(cell | _trace(proxies), runs)
@@ -364,6 +366,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="run the fixed budget in the first N repetitions of a cell only "
                              "(default: all); it is the slowest configuration on vLLM-CPU")  # fmt: skip
     parser.add_argument("--phase-requests", type=int, default=24, help="requests per phase")
+    parser.add_argument("--pause", type=float, default=0.0,
+                        help="phases: seconds with nothing sent after each batch (traffic that "
+                             "comes now and then; the report is adaptive_phases_paused)")  # fmt: skip
     parser.add_argument("--trace", type=Path, default=None,
                         help=f"the new proxy's {TRACE_ENV}: DIR/<scope>.jsonl")  # fmt: skip
     parser.add_argument("--vllm-url", default=None,
@@ -391,6 +396,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--fixed-reps must be at least 1, got {args.fixed_reps}")
     if args.dilation <= 0:
         parser.error(f"--dilation must be positive, got {args.dilation}")
+    if args.pause < 0 or (args.pause and not phases):
+        parser.error(f"--pause takes seconds >= 0 and --mode phases, got {args.pause}")
     if args.old_tree is not None:
         args.old_tree = args.old_tree.resolve()
         problem = check_old_tree(args.old_tree)
@@ -425,14 +432,14 @@ def main(argv: list[str] | None = None) -> int:
             "upstreams": args.upstreams, "concurrency": args.concurrency,
             "clients": args.clients, "prompts": args.prompts, "max_tokens": args.max_tokens,
             "reps": args.reps, "sim_reps": args.sim_reps, "fixed_reps": args.fixed_reps,
-            "fixed": FIXED, "phase_requests": args.phase_requests,
+            "fixed": FIXED, "phase_requests": args.phase_requests, "pause_s": args.pause,
             "gpu_profile": args.gpu_profile, "dilation": args.dilation,
             "logs": str(args.logs),
             "traces": {str(path): path.stat().st_size if path.exists() else None
                        for path in traces},
             "aggregate": "phases: tokens over seconds from the phase's first request" if phases
             else "tok/s: median of reps; ratios: median of per-rep ratios"}  # fmt: skip
-    name = "adaptive_phases" if phases else "adaptive"
+    name = "adaptive" if not phases else "adaptive_phases_paused" if args.pause else "adaptive_phases"
     result = {"metadata": meta, "phases" if phases else "rows": results}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{name}.json").write_text(json.dumps(result, indent=1))

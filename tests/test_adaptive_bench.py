@@ -16,6 +16,7 @@ import pytest
 
 from benchmarks import adaptive_report as report
 from benchmarks.adaptive import ddtree_usage, rotated
+from benchmarks.adaptive import main as adaptive_main
 from benchmarks.adaptive_servers import check_old_tree, sim_env
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -170,6 +171,13 @@ def test_old_tree_must_hold_a_proxy_package(tmp_path):
     (tmp_path / "proxy" / "__init__.py").write_text("raise ImportError('broken tree')\n")
     assert "broken tree" in check_old_tree(tmp_path)
     assert check_old_tree(REPO_ROOT) is None
+
+
+@pytest.mark.parametrize("args", [["--mode", "phases", "--pause", "-1"], ["--pause", "5"]])
+def test_a_pause_takes_seconds_and_the_phases_mode(args, capsys):
+    with pytest.raises(SystemExit):
+        adaptive_main(args)
+    assert "--pause takes seconds >= 0 and --mode phases" in capsys.readouterr().err
 
 
 def _bench(out: Path, vllm_server, *args: str) -> dict:
