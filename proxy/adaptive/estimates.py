@@ -1,7 +1,8 @@
 """What the adaptive policy measures while serving. Every estimate fades with one
 wall-clock half-life: evidence `age` seconds old weighs 2^(-age / half-life), so after
 a change of load or of text the new evidence outweighs the old within seconds, and a
-side not measured for a while keeps its last value but counts as stale (`Fading.updated`).
+side not measured for a while keeps its last value (the policy re-measures it when it is
+stale: `Policy.measured_at`).
 
 * `LinearCost` -- a latency linear in what a call asks for, a non-negative least-squares
   fit over the recent calls (`nonnegative_ridge`): a verification call's
@@ -58,14 +59,13 @@ def decay(age_s: float, half_life_s: float = HALF_LIFE_S) -> float:
 
 
 class Fading:
-    """Sums [size] that fade with the half-life; `updated` is the clock at the last add."""
+    """Sums [size] that fade with the half-life."""
 
     def __init__(self, size: int, clock: Clock, half_life_s: float = HALF_LIFE_S) -> None:
         self._clock = clock
         self.half_life_s = half_life_s
         self._sums = np.zeros(size)
         self._at: float | None = None  # the clock the sums are faded to
-        self.updated: float | None = None
 
     def _fade_to(self, now: float) -> None:
         if self._at is not None:
@@ -76,7 +76,6 @@ class Fading:
         now = self._clock()
         self._fade_to(now)
         self._sums += values
-        self.updated = now
 
     def sums(self) -> np.ndarray:
         self._fade_to(self._clock())
@@ -151,14 +150,12 @@ class LinearCost:
         self._ridged = None if ridged is None else np.asarray(ridged, dtype=bool)
         self._rows: deque[tuple[float, ...]] = deque(maxlen=MAX_CALLS)  # (t, features, s)
         self._theta: np.ndarray | None = None
-        self.updated: float | None = None
 
     def observe(self, *features_and_seconds: float) -> None:
         assert len(features_and_seconds) == self._num_cols, features_and_seconds
         now = self._clock()
         self._rows.append((now, *features_and_seconds))
         self._theta = None
-        self.updated = now
 
     @property
     def num_rows(self) -> int:
