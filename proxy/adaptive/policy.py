@@ -170,11 +170,10 @@ class Policy:
         self.calibration = Calibration(clock, half_life_s)
         self.decisions: Counter[tuple[str, str]] = Counter()  # (kind, reason)
         self.prevailing: str = "plain"  # the side of the latest decision, for new requests
-        self._claimed = {"speculate": -float("inf"), "plain": -float("inf")}
         # The last decision to speculate on a tree's predicted rate, and the last plain
         # request sent to look for such trees without one (`worth_drafting`), busy s.
         self.speculated_at = self._looked_at = -float("inf")
-        # When each side was last measured, busy s (`measured_at`).
+        # When each side was last measured or its re-measurement claimed, busy s.
         self._measured = {"speculate": -float("inf"), "plain": -float("inf")}
         self._next_request = 0
         self.in_flight = 0  # requests on this target begun and not Finished
@@ -314,11 +313,12 @@ class Policy:
         return True
 
     def note_measured(self, side: str) -> None:
+        """`side`'s estimate was measured just now."""
         self._measured[side] = self.busy_time()
 
     def measured_at(self, side: str) -> float:
         """When `side`'s estimate was last measured or a re-measurement claimed, busy s."""
-        return max(self._claimed[side], self._measured[side])
+        return self._measured[side]
 
     def claim(self, side: str) -> bool:
         """Is `side`'s estimate a half-life older than the other's? True for the one
@@ -326,7 +326,7 @@ class Policy:
         other = "plain" if side == "speculate" else "speculate"
         if self.measured_at(other) - self.measured_at(side) <= self.half_life_s:
             return False
-        self._claimed[side] = self.busy_time()
+        self.note_measured(side)  # claimed: no other request re-measures it meanwhile
         return True
 
     def snapshot(self) -> dict[str, Any]:
