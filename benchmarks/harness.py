@@ -53,6 +53,7 @@ class _RecordingSession:
         self._seen = 0
         # Plain generation where the inner session offers it, passed through.
         self.plain = self._plain if inner.plain is not None else None
+        self.relay = None  # no client request here to hand over
 
     @property
     def counters(self) -> TargetCounters:

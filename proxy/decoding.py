@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Literal
+from typing import Any, AsyncIterator, Awaitable, Callable, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
@@ -36,7 +36,7 @@ from proxy.backend.base import (
     TargetError,
 )
 from proxy.drafter.base import Drafter, DraftSession
-from proxy.output import WINDOW_TOKENS, Delta, Detokenize, OutputProcessor
+from proxy.output import WINDOW_TOKENS, Delta, Detokenize, FinishReason, OutputProcessor
 from proxy.round import RoundShape, RoundStats, draft, speculate
 from proxy.sampling import SamplingParams
 
@@ -70,6 +70,34 @@ class PromptError(ValueError):
 
 
 @dataclass(frozen=True)
+class Relayed:
+    """What a relayed answer brought (`HandOver.outcome`)."""
+
+    tokens: list[int]  # output token ids the client received
+    seconds: float  # from the hand-over to the last event
+    first: tuple[int, float] | None  # (tokens, seconds) of the first event with tokens
+    # The answer went out whole (its finish reason, if it had one); else it broke after
+    # `tokens`, and `text` is what the client got of them: the loop goes on from there.
+    complete: bool
+    finish_reason: FinishReason | None
+    text: str = ""
+
+
+@dataclass
+class HandOver:
+    """The rest of a request handed to the target whole: the policy left every token to
+    it from the first, so the server sends the client's own request to the upstream
+    (`relay`) and its answer to the client as it comes -- vLLM's own bytes, at the cost
+    of a relay -- then sets `outcome` (None: the relay did not open, nothing was sent)
+    and asks the loop for its next delta: the loop records the stretch and, if the
+    answer broke, goes on from the tokens the client has."""
+
+    relay: Callable[[str, bytes], Awaitable[Any]]
+    sent: float  # time.perf_counter() at the hand-over
+    outcome: Relayed | None = None
+
+
+@dataclass(frozen=True)
 class GenerationRequest:
     prompt_ids: list[int]
     max_tokens: int
@@ -91,6 +119,10 @@ class GenerationRequest:
     # sends these and no others, so its server applies its own defaults to the rest.
     # None: `sampling` is the whole rule (sent in full).
     sampling_fields: dict[str, Any] | None = None
+    # The server can relay the client's own request to the target (`HandOver`): when the
+    # policy leaves the whole output to the target from the first token, the loop hands
+    # it over instead of reading a plain stream itself.
+    hand_over: bool = False
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:
@@ -198,8 +230,11 @@ async def stream_generate(
     Each step drafts a tree at the end of the committed tokens; the policy (shared by a
     runtime's requests) decides to verify some of its nodes (a round) or to let the
     target generate on its own (plain generation, while a plain stream is open it
-    decides every few tokens). Without a policy, or with policy "fixed", every round
-    verifies the whole tree."""
+    decides every few tokens). A request that it leaves to the target from the first
+    token to the end, with no decision on the way, is handed over where the request
+    says the server can relay it (`HandOver`: one Delta carries it, then the relayed
+    tokens come back as one Delta marked `relayed`). Without a policy, or with policy
+    "fixed", every round verifies the whole tree."""
     settings = request.tree
     use_drafter = settings.kind != "none"
     if use_drafter and drafter is None:
@@ -264,6 +299,38 @@ async def stream_generate(
                 )
             if isinstance(decision, Plain):
                 assert session.plain is not None and decisions is not None
+                whole = request.hand_over and _whole(decision, output.remaining)
+                if whole and last_kind is None and session.relay is not None:
+                    handed = HandOver(session.relay, time.perf_counter())
+                    stats = _plain_stats(0, 0.0, len(committed))
+                    yield Delta([], "", round=stats, hand_over=handed)
+                    came = handed.outcome
+                    tokens = [] if came is None else came.tokens
+                    committed.extend(tokens)
+                    if draft_session is not None and tokens:
+                        draft_session.advance(committed, None)
+                    decisions.record(
+                        PlainTokens(
+                            committed=committed,
+                            stretch_tokens=len(tokens),
+                            seconds=0.0 if came is None else came.seconds,
+                            ended=True,
+                            failed=came is None or not came.complete,
+                            first=None if came is None else came.first,
+                        )
+                    )
+                    if came is None:
+                        continue  # nothing went out: a round follows (`plain_failed`)
+                    last_kind, unseen_tokens = "plain", 1
+                    stats = _plain_stats(len(tokens), came.seconds, 0)
+                    if came.complete:
+                        finish = came.finish_reason
+                        yield Delta(tokens, "", finish_reason=finish, round=stats, relayed=True)
+                        return
+                    # The answer broke: its tokens are the target's, the text the client
+                    # has of them is vLLM's; the output goes on from both.
+                    yield await output.resume(tokens, came.text, stats)
+                    continue
                 if stretch is None:
                     max_tokens = min(decision.max_tokens, room)
                     stretch = _PlainStretch(session.plain, committed, max_tokens, decision.stream)
@@ -318,6 +385,29 @@ async def stream_generate(
         if decisions is not None:
             decisions.record(Finished())
         await session.aclose()
+
+
+def _whole(decision: Plain, remaining: int) -> bool:
+    """The decision leaves every remaining token to one plain stream, with no decision
+    on the way."""
+    recheck = decision.recheck_after
+    no_recheck = recheck is None or recheck >= remaining
+    return decision.stream and decision.max_tokens >= remaining and no_recheck
+
+
+def _plain_stats(num_tokens: int, seconds: float, prompt_tokens: int) -> RoundStats:
+    """A relayed answer's part of the stats: its call (`prompt_tokens` sent), then its
+    tokens."""
+    return RoundStats(
+        num_tokens=num_tokens,
+        num_nodes=0,
+        draft_s=0.0,
+        tree_s=0.0,
+        verify_s=seconds,
+        upstream_calls=int(prompt_tokens > 0),
+        verify_prompt_tokens=prompt_tokens,
+        kind="plain",
+    )
 
 
 class _PlainStretch:

@@ -23,7 +23,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Awaitable, Callable, Literal
 
+from proxy.backend.base import TargetError
+
 if TYPE_CHECKING:
+    from proxy.decoding import HandOver
     from proxy.round import RoundStats
 
 Detokenize = Callable[[list[int]], Awaitable[str]]
@@ -50,6 +53,10 @@ class Delta:
     # for EOS, the length limit, or while running.
     stop_reason: int | str | None = None
     round: RoundStats | None = None  # the round that produced it
+    # The rest of the request is handed over: the server relays it (`HandOver`); no tokens.
+    hand_over: HandOver | None = None
+    # Tokens that went out in a relayed answer (counted, not sent again).
+    relayed: bool = False
 
 
 class IncrementalDetokenizer:
@@ -185,6 +192,25 @@ class OutputProcessor:
             stop_reason=stop_reason,
             round=stats,
         )
+
+    async def resume(self, tokens: list[int], sent_text: str, stats: RoundStats) -> Delta:
+        """Take the first tokens of the output, whose text went out elsewhere (a relayed
+        answer that broke: vLLM's stream, `sent_text` its text), and go on from what the
+        client has. The Delta is marked `relayed`; its text is what these rules release
+        beyond `sent_text` (usually none: vLLM holds back as they do). TargetError if
+        `sent_text` is not the start of the tokens' text, or if the tokens end the
+        output where vLLM's stream had not: the request cannot go on as vLLM's would."""
+        assert self.num_tokens == 0, "resume() takes the first tokens of the output"
+        delta = await self.add(tokens, None, stats=stats)
+        decoded = self._detok.text + await self._detok.pending()
+        if delta.finish_reason is not None or not decoded.startswith(sent_text):
+            raise TargetError(
+                "a relayed answer broke after text this proxy cannot go on from "
+                f"({len(tokens)} tokens, {len(sent_text)} characters sent)"
+            )
+        released = self._emitted_text
+        self._emitted_text = max(released, sent_text, key=len)
+        return Delta(tokens, released[len(sent_text) :], round=stats, relayed=True)
 
     def _find_stop(self, text: str, start: int) -> tuple[int, str] | None:
         """(index, stop string) of the earliest stop string in text[start:] (the first

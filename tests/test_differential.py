@@ -349,9 +349,12 @@ def test_a_tokenizer_that_decodes_otherwise_falls_back_to_vllms_text(vllm_server
         assert [r for r in results if r.diffs] == [], report(results)
         for prompt in ("def fib(n):\n", "import os\n", "x"):
             before = metric(proxy.url, 'ddtree_upstream_aux_calls_total{path="/detokenize"}')
+            # Usage on every event: the proxy writes each one (a request left to vLLM
+            # whole would be handed over, its text vLLM's, with no decode to count).
             body = {"model": vllm_server.model, "prompt": prompt, "max_tokens": 40,
                     "temperature": 0, "ignore_eos": True, "stream": True,
-                    "stream_options": {"include_usage": True}}  # fmt: skip
+                    "stream_options": {"include_usage": True,
+                                       "continuous_usage_stats": True}}  # fmt: skip
             events = httpx.post(proxy.url + "/v1/completions", json=body, timeout=300).text
             usage = [json.loads(line[6:]) for line in events.splitlines()
                      if line.startswith("data: {") and '"usage"' in line][-1]["usage"]  # fmt: skip

@@ -155,3 +155,45 @@ def test_a_decode_by_a_server_is_one_call_per_round(seed):
     windowed = CountingDecode()
     _feed(OutputProcessor(windowed, max_tokens=len(tokens)), tokens, random.Random(200 + seed))
     assert windowed.num_calls > len(deltas)  # the default re-anchors: extra calls
+
+
+def _resume_stats():
+    from proxy.round import RoundStats
+
+    return RoundStats(0, 0, 0.0, 0.0, 0.0, 0, 0, kind="plain")
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_resume_goes_on_from_the_text_another_writer_sent(seed):
+    """A relayed answer that broke: its first k tokens went out as another processor
+    (vLLM's, held back alike) wrote them; a processor resumed from them and fed the
+    rest writes what one processor writes for all the tokens."""
+    rng = random.Random(seed)
+    tokens = _random_tokens(rng, 200)
+    stop = ("ab", "\n\n") if seed % 2 else ()
+    whole = OutputProcessor(CountingDecode(), max_tokens=len(tokens), stop=stop)
+    expected = "".join(delta.text for delta in _feed(whole, tokens, random.Random(seed)))
+    cut = rng.randrange(1, whole.num_tokens)  # before the output ends
+    sender = OutputProcessor(CountingDecode(), max_tokens=len(tokens), stop=stop)
+    sent = "".join(delta.text for delta in _feed(sender, tokens[:cut], rng))
+    assert sender.finish_reason is None
+    resumed = OutputProcessor(CountingDecode(), max_tokens=len(tokens), stop=stop)
+    first = run(resumed.resume(tokens[:cut], sent, _resume_stats()))
+    assert first.relayed and first.token_ids == tokens[:cut]
+    rest = _feed(resumed, tokens[cut:], rng)
+    assert sent + first.text + "".join(delta.text for delta in rest) == expected
+    assert resumed.finish_reason == whole.finish_reason
+
+
+def test_resume_refuses_text_it_cannot_go_on_from():
+    from proxy.backend.base import TargetError
+
+    tokens = TOKENIZER("def add(a, b):\n    return a + b\n")["input_ids"]
+    text = _decode(tokens)
+    processor = OutputProcessor(CountingDecode(), max_tokens=100)
+    with pytest.raises(TargetError, match="cannot go on from"):
+        run(processor.resume(tokens, "x" + text, _resume_stats()))
+    # Tokens that end the output (a stop token) where the relayed stream had not ended.
+    eos = OutputProcessor(CountingDecode(), max_tokens=100, eos_token_ids=(tokens[2],))
+    with pytest.raises(TargetError, match="cannot go on from"):
+        run(eos.resume(tokens, "", _resume_stats()))

@@ -169,7 +169,8 @@ class LinearCost:
             if not self._rows:
                 return np.zeros(self._num_cols)
             data = np.asarray(self._rows)
-            weights = np.array([decay(data[-1, 0] - t, self.half_life_s) for t in data[:, 0]])
+            # `decay` of each row's age, at once (rows are kept oldest first).
+            weights = 2.0 ** ((data[:, 0] - data[-1, 0]) / self.half_life_s)
             self._theta = nonnegative_ridge(self._design(data[:, 1:], weights), weights, self._ridged)
         return self._theta
 

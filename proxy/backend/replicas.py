@@ -408,6 +408,11 @@ class ReplicaSession:
             self.replicas.succeeded(replica)
             return
 
+    async def relay(self, path: str, body: bytes) -> httpx.Response:
+        """The pinned replica's `VLLMSession.relay`. A relay that fails is not moved:
+        the decoding loop goes on without it, and its calls move."""
+        return await self._current()[1].relay(path, body)
+
     def _move_or_keep(self, exc: TargetError) -> None:
         """`_move`, but with no replica left the request stays: the round that follows
         gets its own failure."""

@@ -201,6 +201,36 @@ class VLLMHttp:
         except httpx.HTTPError as exc:
             raise transport_failure(where, exc) from exc
 
+    async def post_stream(
+        self, path: str, content: bytes, headers: dict[str, str] | None = None
+    ) -> httpx.Response:
+        """POST a JSON body whose answer streams; the open 200 response (body unread).
+        Failures before it are retried like `request_json`'s (vLLM aborts a request
+        whose connection closed); TargetError once they are not worth another try."""
+        self.num_calls[path] += 1
+        where = f"vLLM POST {self.base_url}{path}"
+        headers = {"content-type": "application/json", **(headers or {})}
+        attempt = 0
+        while True:
+            try:
+                response = await self.open_stream("POST", path, content, headers)
+                if response.status_code != 200:
+                    text = (await response.aread()).decode(errors="replace")
+                    await response.aclose()
+                    raise TargetError(
+                        f"{where} returned HTTP {response.status_code}: {text[:500]}",
+                        "http",
+                        response.status_code,
+                    )
+                return response
+            except TargetError as exc:
+                if attempt == self.retry.max_retries or not exc.retriable:
+                    raise
+                if self.on_retry is not None:
+                    self.on_retry(exc.kind)
+                await asyncio.sleep(self.retry.delay(attempt, self._rng))
+                attempt += 1
+
     async def stream_events(
         self, path: str, body: Any, headers: dict[str, str] | None = None
     ) -> AsyncIterator[Any]:
@@ -211,32 +241,8 @@ class VLLMHttp:
         After [DONE] the body is read to its end (the chunked terminator), so that the
         connection goes back to the pool: one closed unread is dropped, and the next
         stream pays a new connection on both sides."""
-        self.num_calls[path] += 1
         where = f"vLLM POST {self.base_url}{path}"
-        attempts = self.retry.max_retries + 1
-        for attempt in range(attempts):
-            try:
-                response = await self.open_stream(
-                    "POST",
-                    path,
-                    json.dumps(body).encode(),
-                    {"content-type": "application/json", **(headers or {})},
-                )
-                if response.status_code != 200:
-                    text = (await response.aread()).decode(errors="replace")
-                    await response.aclose()
-                    raise TargetError(
-                        f"{where} returned HTTP {response.status_code}: {text[:500]}",
-                        "http",
-                        response.status_code,
-                    )
-                break
-            except TargetError as exc:
-                if attempt + 1 == attempts or not exc.retriable:
-                    raise
-                if self.on_retry is not None:
-                    self.on_retry(exc.kind)
-                await asyncio.sleep(self.retry.delay(attempt, self._rng))
+        response = await self.post_stream(path, json.dumps(body).encode(), headers)
         done = False
         try:
             async for line in response.aiter_lines():
@@ -593,6 +599,12 @@ class VLLMSession:
 
     async def accept(self, tree: DraftTree, result: WalkResult) -> None:
         return None  # no features over HTTP; vLLM's prefix cache keeps the context
+
+    async def relay(self, path: str, body: bytes) -> httpx.Response:
+        """POST the client's own request `body` to `path` (`VLLMHttp.post_stream`, opening
+        retried); the open 200 response for the caller to read and close."""
+        self.counters.upstream_calls += 1
+        return await self.target.http.post_stream(path, body, self.headers)
 
     async def plain(
         self, committed: Sequence[int], max_tokens: int, stream: bool = True

@@ -9,6 +9,7 @@
 | `request_models` | request bodies, which fields DDTree serves and which pass through |
 | `responses` | response bodies, stream chunks, `usage` (with `usage.ddtree`) |
 | `passthrough` | relaying a request to vLLM unchanged |
+| `relayed` | a handed-over request's answer: vLLM's events relayed, their token ids counted |
 | `errors` | OpenAI-style errors, and the client's view of an upstream failure |
 | `admission` | the admission queue (429) and streams that hold their slot |
 | `metrics` | Prometheus metrics |

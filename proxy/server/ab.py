@@ -20,7 +20,6 @@ import asyncio
 import json
 import logging
 import random
-import re
 import time
 from collections import deque
 from typing import Any, AsyncIterator, Callable, Iterable
@@ -38,6 +37,7 @@ from proxy.drafter.base import Drafter
 from proxy.runtime import Runtime
 from proxy.server.errors import RequestError
 from proxy.server.plan import max_tokens_in_force, requested_max_tokens
+from proxy.server.relayed import split_token_ids
 from proxy.server.request_models import REQUEST_MODELS, Endpoint
 from proxy.server.settings import ServerSettings
 
@@ -257,7 +257,7 @@ class AB:
         if response.status_code == 200:
             self._hooks.run("shadow", _queue_answer, content, queue)
             if not asked:
-                content = without_token_ids(content)
+                content = split_token_ids(content)[0]
         plain = Response(content, status_code=response.status_code, headers=headers)
         return self.watch(plain, timing, _TokenCounter(timing, False))
 
@@ -433,29 +433,6 @@ class _Hooks:
         return True
 
 
-# Token id arrays in a JSON document, found without parsing it. Matched from the start,
-# each match begins at a string's opening quote (outside strings JSON has no quote) and
-# ends at its closing one or past the array after it, so every match is a whole string:
-# text inside a string value ('"token_ids":[1]' written in a prompt) is never taken for
-# a key. A key is a string followed by ':'; a string value never is.
-_TOKEN_IDS = re.compile(rb'"(?:prompt_)?token_ids"\s*:\s*(\[[0-9,\s]*\])|"(?:[^"\\]|\\.)*"',
-                        re.DOTALL)  # fmt: skip
-
-
-def without_token_ids(raw: bytes) -> bytes:
-    """`raw` (a JSON answer or one event of a stream) as vLLM writes it without
-    `return_token_ids`: each `token_ids` and `prompt_token_ids` array null, every other
-    byte unchanged (parsing and writing it again would not be: Python writes vLLM's
-    -0.000012345 as -1.2345e-05)."""
-    pieces, end = [], 0
-    for match in _TOKEN_IDS.finditer(raw):
-        if match.group(1) is not None:
-            pieces += [raw[end : match.start(1)], b"null"]
-            end = match.end(1)
-    pieces.append(raw[end:])
-    return b"".join(pieces)
-
-
 def _queue_answer(content: bytes, queue: Callable[[list[int], list[int]], None]) -> None:
     """Queue a JSON answer's prompt and output ids for a replay."""
     answer = json.loads(content)
@@ -494,7 +471,7 @@ class _StreamIds:
             return event
         if self.collecting:
             self.collecting = self.hooks.run("shadow", self._collect, event)
-        return event if self.asked else without_token_ids(event)
+        return event if self.asked else split_token_ids(event)[0]
 
     def _collect(self, event: bytes) -> None:
         data = json.loads(event[6:])

@@ -11,6 +11,8 @@ error status; later failures become an error event followed by [DONE].
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import json
 import logging
 from contextlib import aclosing
 from typing import AsyncIterator, Callable
@@ -20,14 +22,15 @@ from fastapi.responses import JSONResponse
 
 from proxy.ab.measure import RequestTiming
 from proxy.backend.base import TargetError
-from proxy.decoding import GenerationStats, stream_generate
+from proxy.decoding import GenerationStats, HandOver, stream_generate
 from proxy.output import Delta, logprob_token_strings
 from proxy.runtime import Runtime
 from proxy.server.admission import ClosingStream
 from proxy.server.errors import RequestError, error_body, upstream_error
 from proxy.server.metrics import ServerMetrics
-from proxy.server.plan import Plan
-from proxy.server.responses import Choice, sse, usage_body
+from proxy.server.plan import PATHS, Plan
+from proxy.server.relayed import RelayedAnswer
+from proxy.server.responses import Choice, ddtree_usage, sse, usage_body
 
 logger = logging.getLogger("ddtree_proxy.server")
 
@@ -64,7 +67,9 @@ class Responder:
                 if self.timing is not None:
                     self.timing.round(done)
                     self.timing.finish_reason = delta.finish_reason
-                    if plan.stream:  # a JSON answer's tokens go out at its end
+                    # A JSON answer's tokens go out at its end; a relayed answer counts
+                    # its own as they go (`RelayedAnswer`).
+                    if plan.stream and not delta.relayed:
                         self.timing.tokens(len(delta.token_ids))
                 yield delta
         finally:
@@ -112,41 +117,128 @@ class Responder:
     async def stream(self, plan: Plan, deadline: float) -> ClosingStream:
         stats = GenerationStats()
         rounds = self._rounds(plan, stats)
+        answer = None
         try:
             async with asyncio.timeout_at(deadline):
                 first = await anext(rounds)
+                if first.hand_over is not None:
+                    answer = await self._open_relay(plan, first.hand_over)
+                    if answer is None:
+                        self.metrics.handed_over.labels("unopened").inc()
+                        first = await anext(rounds)  # nothing went out: the loop goes on
         except ValueError as exc:
             await rounds.aclose()
             raise RequestError(str(exc)) from None
         except BaseException:
+            if answer is not None:
+                await answer.aclose()
             await rounds.aclose()
             raise
         self.metrics.requests.labels(plan.endpoint, "ddtree").inc()
-        return ClosingStream(
-            self._events(plan, stats, first, rounds, deadline), media_type="text/event-stream"
+        if answer is not None:
+            events = self._relayed(plan, stats, answer, first.hand_over, rounds, deadline)
+        else:
+            events = self._events(plan, stats, first, rounds, deadline)
+        return ClosingStream(events, media_type="text/event-stream")
+
+    async def _open_relay(self, plan: Plan, handed: HandOver) -> RelayedAnswer | None:
+        """Send the client's own request to vLLM (with token ids, to count and keep
+        them); None, with nothing sent to the client, if no 200 answer came (retries
+        included): the loop serves the request, as after a plain stream that failed."""
+        assert plan.client_body is not None
+        body = {key: value for key, value in plan.client_body.items() if key != "ddtree"}
+        body["return_token_ids"] = True
+        try:
+            response = await handed.relay(PATHS[plan.endpoint], json.dumps(body).encode())
+        except TargetError as exc:
+            logger.info("a handed-over request's relay did not open: %s", exc)
+            return None
+        timing = self.timing
+        return RelayedAnswer(
+            response,
+            handed.sent,
+            keep_ids=plan.writer.return_token_ids,
+            on_tokens=None if timing is None else timing.tokens,
         )
+
+    async def _relayed(
+        self,
+        plan: Plan,
+        stats: GenerationStats,
+        answer: RelayedAnswer,
+        handed: HandOver,
+        rounds: AsyncIterator[Delta],
+        deadline: float,
+    ) -> AsyncIterator[bytes]:
+        """vLLM's answer to a handed-over request, as it comes; then the loop records it
+        and, if it broke, goes on from the tokens the client has (`_events`)."""
+        try:
+            try:
+                async for events in answer.relay(deadline):
+                    yield events
+                handed.outcome = answer.outcome()
+            except TimeoutError:
+                yield sse(self.deadline_error().body())
+                yield sse("[DONE]")
+                return
+            except ValueError as exc:  # an event sent cannot be read: no going on
+                yield sse(upstream_error(TargetError(str(exc)), self.metrics).body())
+                yield sse("[DONE]")
+                return
+            except asyncio.CancelledError:
+                self.metrics.client_disconnects.inc()  # vLLM aborts the closed answer
+                raise
+            if handed.outcome.complete:
+                self.metrics.handed_over.labels("whole").inc()
+                async for _ in rounds:  # the loop records the stretch
+                    pass
+                if answer.usage is not None:  # vLLM's, with the proxy's statistics
+                    answer.usage["usage"]["ddtree"] = ddtree_usage(stats)
+                    yield sse(answer.usage)
+                yield sse("[DONE]")
+                return
+            self.metrics.handed_over.labels("resumed").inc()
+            logger.info(
+                "a relayed answer broke after %d tokens; going on from them",
+                len(handed.outcome.tokens),
+            )
+            events = self._events(plan, stats, None, rounds, deadline, opened=bool(answer.events))
+            async for event in events:
+                yield event
+        finally:
+            await answer.aclose()
+            await rounds.aclose()
 
     async def _events(
         self,
         plan: Plan,
         stats: GenerationStats,
-        first: Delta,
+        first: Delta | None,
         rounds: AsyncIterator[Delta],
         deadline: float,
+        opened: bool = False,
     ) -> AsyncIterator[bytes]:
+        """The stream's events from `first` (None: the loop's next delta) on; `opened`:
+        a relayed answer sent the first events (the opening chunk, the prompt ids)."""
         writer = plan.writer
         prompt_ids = plan.generation.prompt_ids
         num_tokens = 0
-        sent_prompt_ids = False
+        sent_prompt_ids = opened
         try:
-            opening = writer.first_chunk(prompt_ids)
+            opening = None if opened else writer.first_chunk(prompt_ids)
             if opening is not None:
                 yield sse(opening)
             delta: Delta | None = first
+            if delta is None:
+                async with asyncio.timeout_at(deadline):
+                    delta = await anext(rounds, None)
             emitted: list[int] = []  # tokens sent so far (context for logprob texts)
             while delta is not None:
                 num_tokens += len(delta.token_ids)
                 finish = delta.finish_reason
+                if delta.relayed:  # its tokens went out already; what is due is text
+                    emitted.extend(delta.token_ids)
+                    delta = dataclasses.replace(delta, token_ids=[])
                 if delta.token_ids or delta.text or finish is not None:
                     strings = (
                         await self._token_strings(plan, delta.token_ids, emitted)

@@ -43,7 +43,7 @@ from proxy.server.metrics import (
     UpstreamCallsCollector,
 )
 from proxy.server.passthrough import relay
-from proxy.server.plan import opted_out, plan_request
+from proxy.server.plan import PATHS, opted_out, plan_request
 from proxy.server.replica_metrics import ReplicasCollector
 from proxy.server.request_models import (
     REQUEST_MODELS,
@@ -55,7 +55,6 @@ from proxy.server.settings import ServerSettings
 
 DRAIN_FACTOR = 16  # an oversized body is read (and dropped) up to this many times the limit
 DRAIN_TIMEOUT_S = 30.0  # ... and for at most this long
-PATHS: dict[Endpoint, str] = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 
 
 class Handlers:
@@ -169,8 +168,9 @@ class Handlers:
         try:
             async with asyncio.timeout_at(deadline):
                 plan = await plan_request(
-                    runtime, self.settings, request, endpoint, parsed, disabled=disabled
-                )
+                    runtime, self.settings, request, endpoint, parsed, disabled=disabled,
+                    client_body=body if runtime.mode == "proxy" else None,
+                )  # fmt: skip
             if plan.stream:
                 # The first round (and with it vLLM's verdict on the client's parameters)
                 # completes before the response starts.

@@ -60,6 +60,14 @@ class ServerMetrics:
             "Requests to vLLM's other routes (not generation), relayed as they are, by method",
             "method",
         )
+        self.handed_over = _counter(
+            registry,
+            "ddtree_handed_over",
+            "Streaming requests the policy left to vLLM from their first token, relayed as "
+            "vLLM sent them, by outcome: whole; resumed (the answer broke, the loop went on "
+            "from its tokens); unopened (no answer came, the loop served the request)",
+            "outcome",
+        )
         self.rounds = _counter(registry, "ddtree_rounds", "Draft-verify rounds")
         self.generated_tokens = _counter(
             registry, "ddtree_generated_tokens", "Tokens emitted by DDTree-served requests"

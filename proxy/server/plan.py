@@ -25,6 +25,8 @@ from proxy.server.request_models import (
 from proxy.server.responses import ResponseWriter
 from proxy.server.settings import ServerSettings
 
+PATHS: dict[Endpoint, str] = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
+
 # vLLM treats temperatures below this as greedy (its _SAMPLING_EPS); so do we.
 GREEDY_TEMPERATURE = 1e-5
 
@@ -45,6 +47,9 @@ class Plan:
     # (no vLLM to match) keeps its own conventions: the finishing chunk carries usage
     # (and usage.ddtree), a token's log-prob text is its own decode.
     mirror_vllm: bool
+    # The client's body, sent to vLLM as it is if the request is handed over
+    # (`generation.hand_over`); None: it cannot be.
+    client_body: dict[str, Any] | None = None
 
 
 async def plan_request(
@@ -54,10 +59,15 @@ async def plan_request(
     endpoint: Endpoint,
     parsed: CompletionRequest | ChatCompletionRequest,
     disabled: bool,
+    client_body: dict[str, Any] | None = None,
 ) -> Plan:
     """Tokenize the prompt and settle every knob of the generation. RequestError (400)
     names the field at fault; TargetError means the upstream failed to tokenize.
-    `disabled`: the request opted out of speculation (engine mode: the target alone)."""
+    `disabled`: the request opted out of speculation (engine mode: the target alone).
+    `client_body` (proxy mode): the body as the client sent it, for a hand-over. A
+    streaming request can be handed over unless it asks for log-probs or sets a seed
+    (vLLM's answer would do, but one that broke could not go on as it would) or wants
+    usage on every event (`usage.ddtree` in each, which vLLM's events lack)."""
     if isinstance(parsed, CompletionRequest):
         prompt = parsed.single_prompt
         if prompt == "":
@@ -134,6 +144,9 @@ async def plan_request(
         else bool(parsed.logprobs)
     )
     tree, strategy = _tree(runtime, settings, parsed.ddtree, disabled, sampling, want_logprobs)
+    include_usage, continuous_usage = parsed.stream_usage
+    hand_over = client_body is not None and bool(parsed.stream) and not continuous_usage
+    hand_over &= not want_logprobs and sampling.seed is None
     try:
         generation = GenerationRequest(
             prompt_ids=prompt_ids,
@@ -148,6 +161,7 @@ async def plan_request(
             stream=bool(parsed.stream),
             remote_text=runtime.remote_text,
             sampling_fields=_client_sampling(parsed) if runtime.mode == "proxy" else None,
+            hand_over=hand_over,
         )
     except PromptError as exc:
         raise RequestError(f"{prompt_field}: {exc}", param=prompt_field) from None
@@ -158,7 +172,6 @@ async def plan_request(
         if isinstance(body_id := (parsed.model_extra or {}).get("request_id"), str)
         else request.headers.get("x-request-id") or ResponseWriter.new_request_id()
     )
-    include_usage, continuous_usage = parsed.stream_usage
     return Plan(
         endpoint=endpoint,
         generation=generation,
@@ -174,6 +187,7 @@ async def plan_request(
         include_usage=include_usage,
         continuous_usage=continuous_usage,
         mirror_vllm=runtime.mode == "proxy",
+        client_body=client_body if hand_over else None,
     )
 
 

@@ -124,6 +124,7 @@ class LocalTarget:
 
 class LocalSession:
     plain = None  # plain decoding here is a round of the root alone
+    relay = None  # no server to send a request to
 
     def __init__(
         self,
