@@ -92,7 +92,7 @@ class HandOver:
     and asks the loop for its next delta: the loop records the stretch and, if the
     answer broke, goes on from the tokens the client has."""
 
-    relay: Callable[[str, bytes], Awaitable[Any]]
+    relay: Callable[[str, bytes, dict[str, str]], Awaitable[Any]]  # `TargetSession.relay`
     sent: float  # time.perf_counter() at the hand-over
     outcome: Relayed | None = None
 

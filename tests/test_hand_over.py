@@ -41,8 +41,8 @@ def _leave_to_vllm(app) -> None:
     policy.note_measured("speculate")
 
 
-def _stream(url: str, path: str, body: dict) -> bytes:
-    with httpx.stream("POST", url + path, json=body, timeout=300) as response:
+def _stream(url: str, path: str, body: dict, headers: dict | None = None) -> bytes:
+    with httpx.stream("POST", url + path, json=body, headers=headers, timeout=300) as response:
         assert response.status_code == 200, response.read()
         return response.read()
 
@@ -70,12 +70,13 @@ def _bodies(model: str) -> list[tuple[str, dict]]:
     for idx, prompt in enumerate(PROMPTS):
         common = {"model": model, "max_tokens": 24, "temperature": 0, "stream": True,
                   "request_id": f"hand-over-{idx}"}  # fmt: skip
+        if idx >= 2:  # the last two with a usage event
+            common["stream_options"] = {"include_usage": True}
         if idx % 2:
             chat = {"messages": [{"role": "user", "content": prompt}], "stop": ["\n\n"]}
             out.append(("/v1/chat/completions", common | chat))
         else:
-            usage = {"stream_options": {"include_usage": True}} if idx else {}
-            out.append(("/v1/completions", common | {"prompt": prompt} | usage))
+            out.append(("/v1/completions", common | {"prompt": prompt}))
     return out
 
 
@@ -112,8 +113,13 @@ def test_a_request_left_to_vllm_gets_vllms_own_answer(vllm_server):
                 assert b"\n\n".join([*events, done, b""]) == expected, body
                 direct = _events(_stream(vllm_server.url, path, body))
                 assert _output(_events(relayed)) == _output(direct), body
+            # An X-Request-Id header names vLLM's answer (before a request_id field).
+            path, body = bodies[0]
+            named = {"x-request-id": "named-by-header"}
+            relayed = _events(_stream(proxy.url, path, body, named))
+            assert {event["id"] for event in relayed[:-1]} == {"cmpl-named-by-header"}
             metrics = scrape(proxy.url)
-    assert metrics.get(f'{HANDED_OVER}{{outcome="whole"}}') == len(bodies)
+    assert metrics.get(f'{HANDED_OVER}{{outcome="whole"}}') == len(bodies) + 1
 
 
 def _unasked(content: bytes) -> bytes:

@@ -119,11 +119,11 @@ class TargetSession(Protocol):
     # Plain generation, where the target offers it; None: a round of the root alone is
     # the target's plain step (in-process targets).
     plain: PlainGeneration | None
-    # Where the target is a server: `await relay(path, body)` sends the client's own
-    # request (JSON bytes) to it and returns the open streaming response (an
-    # httpx.Response); the server relays it when the rest of a request is the target's
-    # alone (`proxy.decoding.HandOver`). None: no server to send it to.
-    relay: Callable[[str, bytes], Awaitable[Any]] | None
+    # Where the target is a server: `await relay(path, body, headers)` sends the client's
+    # own request (JSON bytes, and headers of its own to pass on) to it and returns the
+    # open streaming response (an httpx.Response); the server relays it when the rest of
+    # a request is the target's alone (`proxy.decoding.HandOver`). None: no server.
+    relay: Callable[[str, bytes, dict[str, str]], Awaitable[Any]] | None
     # The upstream replica serving the request now (several upstreams: the policy keeps
     # estimates per replica); None: the target is one.
     replica: str | None

@@ -408,10 +408,10 @@ class ReplicaSession:
             self.replicas.succeeded(replica)
             return
 
-    async def relay(self, path: str, body: bytes) -> httpx.Response:
+    async def relay(self, path: str, body: bytes, headers: dict[str, str]) -> httpx.Response:
         """The pinned replica's `VLLMSession.relay`. A relay that fails is not moved:
         the decoding loop goes on without it, and its calls move."""
-        return await self._current()[1].relay(path, body)
+        return await self._current()[1].relay(path, body, headers)
 
     def _move_or_keep(self, exc: TargetError) -> None:
         """`_move`, but with no replica left the request stays: the round that follows

@@ -600,11 +600,12 @@ class VLLMSession:
     async def accept(self, tree: DraftTree, result: WalkResult) -> None:
         return None  # no features over HTTP; vLLM's prefix cache keeps the context
 
-    async def relay(self, path: str, body: bytes) -> httpx.Response:
-        """POST the client's own request `body` to `path` (`VLLMHttp.post_stream`, opening
-        retried); the open 200 response for the caller to read and close."""
+    async def relay(self, path: str, body: bytes, headers: dict[str, str]) -> httpx.Response:
+        """POST the client's own request `body` (with `headers`) to `path`
+        (`VLLMHttp.post_stream`, opening retried); the open 200 response for the caller
+        to read and close."""
         self.counters.upstream_calls += 1
-        return await self.target.http.post_stream(path, body, self.headers)
+        return await self.target.http.post_stream(path, body, headers | (self.headers or {}))
 
     async def plain(
         self, committed: Sequence[int], max_tokens: int, stream: bool = True

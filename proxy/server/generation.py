@@ -149,7 +149,8 @@ class Responder:
         body = {key: value for key, value in plan.client_body.items() if key != "ddtree"}
         body["return_token_ids"] = True
         try:
-            response = await handed.relay(PATHS[plan.endpoint], json.dumps(body).encode())
+            content = json.dumps(body).encode()
+            response = await handed.relay(PATHS[plan.endpoint], content, plan.client_headers)
         except TargetError as exc:
             logger.info("a handed-over request's relay did not open: %s", exc)
             return None

@@ -4,7 +4,7 @@ parameters and the tree shape (server defaults + the request's `ddtree` override
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import pydantic
@@ -27,6 +27,9 @@ from proxy.server.settings import ServerSettings
 
 PATHS: dict[Endpoint, str] = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 
+# Headers of the client's that a handed-over request takes to vLLM: they change its answer.
+_PASSED_ON = frozenset({"x-request-id"})
+
 # vLLM treats temperatures below this as greedy (its _SAMPLING_EPS); so do we.
 GREEDY_TEMPERATURE = 1e-5
 
@@ -48,8 +51,10 @@ class Plan:
     # (and usage.ddtree), a token's log-prob text is its own decode.
     mirror_vllm: bool
     # The client's body, sent to vLLM as it is if the request is handed over
-    # (`generation.hand_over`); None: it cannot be.
+    # (`generation.hand_over`); None: it cannot be. With it, the client's headers that
+    # change vLLM's answer (X-Request-Id names it).
     client_body: dict[str, Any] | None = None
+    client_headers: dict[str, str] = field(default_factory=dict)
 
 
 async def plan_request(
@@ -188,6 +193,9 @@ async def plan_request(
         continuous_usage=continuous_usage,
         mirror_vllm=runtime.mode == "proxy",
         client_body=client_body if hand_over else None,
+        client_headers={
+            name: value for name, value in request.headers.items() if name in _PASSED_ON
+        },
     )
 
 

@@ -4,8 +4,9 @@ vLLM's own server-sent events for the client's own request, relayed as they come
 The request went to vLLM with `return_token_ids`, so each event names its tokens: they
 are counted and collected without parsing the event (the loop records the stretch
 and, if the answer breaks, goes on from them), and the arrays are set to null as vLLM
-writes them when the client did not ask for them. Only an answer that broke is parsed
-(its text, to go on from), and its last event (the finish reason).
+writes them when the client did not ask for them. What is parsed: the last event (its
+finish reason), the usage event (it goes out with the proxy's statistics), and the
+events of an answer that broke (their text, to go on from).
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ def split_token_ids(raw: bytes, keep: bool = False) -> tuple[bytes, list[int]]:
     while at >= 0:
         after = at + len(_KEY_END)
         output = _opens_key(raw, at - 1)
-        array = _ARRAY.match(raw, after) if output or _opens_key(raw, at - 8, b'"prompt_') else None
+        prompt = not output and _opens_key(raw, at - 8, b'"prompt_')
+        array = _ARRAY.match(raw, after) if output or prompt else None
         if array is not None:
             if output:
                 ids += [int(token) for token in array.group(1)[1:-1].split(b",") if token.strip()]
