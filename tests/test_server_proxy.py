@@ -252,6 +252,19 @@ def test_logprobs_match_vllm(vllm_server, proxies):
         )
 
 
+def test_answers_are_named_as_vllm_names_them(vllm_server, proxies):
+    """The id: the X-Request-Id header, else the body's request_id (log-probs: the
+    proxy's own path, not a hand-over)."""
+    body = _completion(vllm_server.model, "def square(x):\n", logprobs=0, request_id="body")
+    for headers in ({"x-request-id": "header"}, {}):
+        direct = httpx.post(vllm_server.url + "/v1/completions", json=body, headers=headers,
+                            timeout=120).json()["id"]  # fmt: skip
+        assert direct == f"cmpl-{headers.get('x-request-id', 'body')}"
+        for url in proxies.values():
+            got = httpx.post(url + "/v1/completions", json=body, headers=headers, timeout=120)
+            assert got.json()["id"] == direct, (url, headers)
+
+
 def test_seeded_sampling_identical_across_budgets_and_drafters(vllm_server, proxies, prompts):
     """With a seed, one call per tree depth, each seeded for its position: the output
     depends on the seed alone.

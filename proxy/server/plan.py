@@ -172,11 +172,11 @@ async def plan_request(
         raise RequestError(f"{prompt_field}: {exc}", param=prompt_field) from None
     except ValueError as exc:
         raise RequestError(str(exc)) from None
-    request_id = (
-        body_id
-        if isinstance(body_id := (parsed.model_extra or {}).get("request_id"), str)
-        else request.headers.get("x-request-id") or ResponseWriter.new_request_id()
-    )
+    # vLLM's `_base_request_id`: the X-Request-Id header, else the body's request_id.
+    body_id = (parsed.model_extra or {}).get("request_id")
+    request_id = request.headers.get("x-request-id")
+    if request_id is None:
+        request_id = body_id if isinstance(body_id, str) else ResponseWriter.new_request_id()
     return Plan(
         endpoint=endpoint,
         generation=generation,
