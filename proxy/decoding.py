@@ -315,8 +315,7 @@ async def stream_generate(
                             stretch_tokens=len(tokens),
                             seconds=0.0 if came is None else came.seconds,
                             ended=True,
-                            # Whole but with no finish reason: vLLM sent an error event.
-                            failed=came is None or came.finish_reason is None,
+                            failed=came is None or not came.complete,
                             first=None if came is None else came.first,
                         )
                     )

@@ -152,14 +152,10 @@ class VLLMHttp:
                 await asyncio.sleep(self.retry.delay(attempt, self._rng))
         raise AssertionError("unreachable")
 
-    def _where(self, method: str, path: str) -> str:
-        """A call's name in its errors."""
-        return f"vLLM {method} {self.base_url}{path}"
-
     async def _request_once(
         self, method: str, path: str, body: Any, headers: dict[str, str] | None = None
     ) -> Any:
-        where = self._where(method, path)
+        where = f"vLLM {method} {self.base_url}{path}"
         try:
             response = await self.client.request(method, path, json=body, headers=headers)
         except httpx.HTTPError as exc:
@@ -199,7 +195,7 @@ class VLLMHttp:
         request = self.stream_client.build_request(
             method, path, content=content, headers=headers
         )
-        where = self._where(method, path)
+        where = f"vLLM {method} {self.base_url}{path}"
         try:
             return await self.stream_client.send(request, stream=True)
         except httpx.HTTPError as exc:
@@ -212,7 +208,7 @@ class VLLMHttp:
         Failures before it are retried like `request_json`'s (vLLM aborts a request
         whose connection closed); TargetError once they are not worth another try."""
         self.num_calls[path] += 1
-        where = self._where("POST", path)
+        where = f"vLLM POST {self.base_url}{path}"
         headers = {"content-type": "application/json", **(headers or {})}
         attempt = 0
         while True:
@@ -245,7 +241,7 @@ class VLLMHttp:
         After [DONE] the body is read to its end (the chunked terminator), so that the
         connection goes back to the pool: one closed unread is dropped, and the next
         stream pays a new connection on both sides."""
-        where = self._where("POST", path)
+        where = f"vLLM POST {self.base_url}{path}"
         response = await self.post_stream(path, json.dumps(body).encode(), headers)
         done = False
         try:
