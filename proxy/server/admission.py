@@ -7,9 +7,6 @@ from __future__ import annotations
 import asyncio
 from typing import Callable
 
-from fastapi.responses import StreamingResponse
-from starlette.types import Receive, Scope, Send
-
 from proxy.server.errors import RequestError
 from proxy.server.metrics import ServerMetrics
 
@@ -52,18 +49,3 @@ class Admission:
                 self.metrics.active.dec()
 
         return release
-
-
-class ClosingStream(StreamingResponse):
-    """A streaming response that calls `on_close` when it is done with, however it ends
-    (finished, failed, client gone, or never started): a stream holds its admission
-    slot until then."""
-
-    on_close: Callable[[], None] | None = None
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            if self.on_close is not None:
-                self.on_close()

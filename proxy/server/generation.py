@@ -25,12 +25,12 @@ from proxy.backend.base import TargetError
 from proxy.decoding import GenerationStats, HandOver, stream_generate
 from proxy.output import Delta, logprob_token_strings
 from proxy.runtime import Runtime
-from proxy.server.admission import ClosingStream
 from proxy.server.errors import RequestError, error_body, upstream_error
 from proxy.server.metrics import ServerMetrics
 from proxy.server.plan import PATHS, Plan
 from proxy.server.relayed import RelayedAnswer
 from proxy.server.responses import Choice, ddtree_usage, sse, usage_body
+from proxy.server.streams import EventStream
 
 logger = logging.getLogger("ddtree_proxy.server")
 
@@ -114,7 +114,7 @@ class Responder:
             self.timing.tokens(len(token_ids))
         return JSONResponse(body)
 
-    async def stream(self, plan: Plan, deadline: float) -> ClosingStream:
+    async def stream(self, plan: Plan, deadline: float) -> EventStream:
         stats = GenerationStats()
         rounds = self._rounds(plan, stats)
         answer = None
@@ -139,7 +139,7 @@ class Responder:
             events = self._relayed(plan, stats, answer, first.hand_over, rounds, deadline)
         else:
             events = self._events(plan, stats, first, rounds, deadline)
-        return ClosingStream(events, media_type="text/event-stream")
+        return EventStream(events, media_type="text/event-stream")
 
     async def _open_relay(self, plan: Plan, handed: HandOver) -> RelayedAnswer | None:
         """Send the client's own request to vLLM (with token ids, to count and keep

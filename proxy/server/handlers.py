@@ -26,7 +26,7 @@ from typing import Any, AsyncIterator
 
 import httpx
 from fastapi import Request, Response
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from proxy.ab.measure import RequestTiming
@@ -52,6 +52,7 @@ from proxy.server.request_models import (
 )
 from proxy.server.responses import sse
 from proxy.server.settings import ServerSettings
+from proxy.server.streams import EventStream
 
 DRAIN_FACTOR = 16  # an oversized body is read (and dropped) up to this many times the limit
 DRAIN_TIMEOUT_S = 30.0  # ... and for at most this long
@@ -305,7 +306,7 @@ class Handlers:
         return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 
-def _refused_stream(refusal: RequestError) -> StreamingResponse:
+def _refused_stream(refusal: RequestError) -> EventStream:
     """A refusal the way vLLM sends it for a streaming request that fails a check of its
     engine (`RequestError.in_stream`): status 200, one error event, [DONE]. The proxy
     knows the verdict before its first byte; it only renders it as vLLM does."""
@@ -314,4 +315,4 @@ def _refused_stream(refusal: RequestError) -> StreamingResponse:
         yield sse(refusal.body())
         yield sse("[DONE]")
 
-    return StreamingResponse(events(), media_type="text/event-stream")
+    return EventStream(events(), media_type="text/event-stream")

@@ -9,13 +9,13 @@ from typing import AsyncIterator
 
 import httpx
 from fastapi import Request, Response
-from fastapi.responses import StreamingResponse
 
 from proxy.backend.base import TargetError
 from proxy.backend.vllm import VLLMHttp
 from proxy.server.errors import error_body, upstream_error
 from proxy.server.metrics import ServerMetrics
 from proxy.server.responses import sse
+from proxy.server.streams import EventStream
 
 # Headers of one connection, not of the request (RFC 9110, 7.6.1), and those the HTTP
 # client sets itself for the body it sends.
@@ -40,9 +40,7 @@ async def relay(
 ) -> Response:
     """Send one request to vLLM as the client sent it (`path` with the client's query
     string); relay its status, headers and body bytes as they arrive."""
-    headers = {
-        name: value for name, value in request.headers.items() if name not in _NOT_FORWARDED
-    }
+    headers = {name: value for name, value in request.headers.items() if name not in _NOT_FORWARDED}
     # No compression the client did not ask for (the body is relayed as it comes).
     headers["accept-encoding"] = request.headers.get("accept-encoding", "identity")
     if request.url.query:
@@ -51,7 +49,7 @@ async def relay(
         response = await upstream.open_stream(method, path, content, headers)
     except TargetError as exc:
         raise upstream_error(exc, metrics) from exc
-    relayed = StreamingResponse(_relay_body(response, metrics), status_code=response.status_code)
+    relayed = EventStream(_relay_body(response, metrics), status_code=response.status_code)
     relayed.raw_headers = [
         (name.lower().encode("latin-1"), value.encode("latin-1"))
         for name, value in response.headers.multi_items()
@@ -62,7 +60,9 @@ async def relay(
 
 async def _relay_body(response: httpx.Response, metrics: ServerMetrics) -> AsyncIterator[bytes]:
     try:
-        async for chunk in response.aiter_raw():
+        # The body's chunks as the transport reads them (`aiter_raw` would add a layer
+        # per chunk); closed below.
+        async for chunk in response.stream:  # type: ignore[union-attr]
             yield chunk
     except httpx.HTTPError as exc:
         # Headers are gone already: an SSE client gets an error event and [DONE].

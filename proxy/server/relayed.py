@@ -101,7 +101,7 @@ class RelayedAnswer:
         try:
             # The read timeout ends a stall; a stream that drips past the deadline ends
             # at its next event.
-            async for chunk in self.response.aiter_raw():
+            async for chunk in self.response.stream:  # type: ignore[union-attr]  # as read
                 if clock() > deadline:
                     raise TimeoutError
                 *events, pending = (pending + chunk).split(b"\n\n")
