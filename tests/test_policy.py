@@ -74,6 +74,23 @@ def test_nonnegative_ridge_is_the_nnls_optimum_of_its_system(seed, ridged):
     assert (found >= 0).all()
 
 
+@pytest.mark.parametrize("ridged", [None, np.array([False, True, False])])
+def test_nonnegative_ridge_with_a_feature_never_seen_is_the_nnls_optimum(ridged):
+    """A column of zeros (every stretch at one load): unridged, the subsets holding it
+    are singular; the fit is still scipy's."""
+    rng = np.random.default_rng(11)
+    num = 30
+    tokens = rng.integers(1, 200, num)
+    seconds = 0.02 + 1e-3 * tokens + rng.normal(0, 0.003, num)
+    rows = np.column_stack([np.ones(num), tokens, np.zeros(num), seconds])
+    weights = 2.0 ** -rng.uniform(0, 3, num)
+    design, scale, target = ridge_system(rows, weights, ridged)
+    expected = nnls(design, target)[0] / scale
+    found = nonnegative_ridge(rows, weights, ridged)
+    np.testing.assert_allclose(found, expected, rtol=1e-6, atol=1e-12)
+    assert found[2] == 0
+
+
 def test_call_cost_recovers_a_linear_latency_and_follows_a_change_of_load():
     clock = Clock()
     cost = LinearCost(2, clock)

@@ -98,21 +98,48 @@ def nonnegative_ridge(
     The least-squares problem with the ridge rows appended is solved exactly: its
     non-negative optimum is the unconstrained optimum on some subset of the columns, so
     every subset whose solution is non-negative is tried and the smallest residual kept
-    (eight subsets for three columns)."""
+    (seven subsets for three columns). Each is solved on the k x k normal equations
+    (columns scaled, ridge on the diagonal), where its residual is |target|^2 minus
+    solution . moment: a fit in ~50 us of CPU instead of ~200 with numpy's solvers on
+    the rows, and the policy refits after every request it records."""
     design, scale, target = ridge_system(rows, weights, ridged)
-    num_cols = design.shape[1]
-    best, best_residual = np.zeros(num_cols), float(np.sum(target**2))  # no column
+    gram, moment = (design.T @ design).tolist(), (design.T @ target).tolist()
+    num_cols = len(moment)
+    best, best_gain = np.zeros(num_cols), 0.0  # no column: the residual is |target|^2
     for size in range(1, num_cols + 1):
-        for subset in itertools.combinations(range(num_cols), size):
-            cols = list(subset)
-            solved = np.linalg.lstsq(design[:, cols], target, rcond=None)[0]
-            if (solved < 0).any():
+        for cols in itertools.combinations(range(num_cols), size):
+            solved = _solve([[gram[i][j] for j in cols] for i in cols], [moment[i] for i in cols])
+            # A singular subset (a feature never seen) is skipped: whatever it fits, a
+            # linearly independent part of it fits as well, with coefficients >= 0.
+            if solved is None or min(solved) < 0:
                 continue
-            residual = float(np.sum((design[:, cols] @ solved - target) ** 2))
-            if residual < best_residual:
-                best, best_residual = np.zeros(num_cols), residual
-                best[cols] = solved
+            gain = sum(x * moment[i] for x, i in zip(solved, cols, strict=True))
+            if gain > best_gain:
+                best, best_gain = np.zeros(num_cols), gain
+                best[list(cols)] = solved
     return best / scale
+
+
+def _solve(matrix: list[list[float]], rhs: list[float]) -> list[float] | None:
+    """x with matrix @ x = rhs (a few unknowns: Gaussian elimination with partial
+    pivoting, in floats -- numpy's per-call overhead is larger than the work); None if
+    the matrix is singular to 1e-12 of its largest diagonal entry."""
+    size = len(rhs)
+    rows = [row[:] + [value] for row, value in zip(matrix, rhs, strict=True)]
+    tiny = 1e-12 * max(abs(rows[i][i]) for i in range(size))
+    for col in range(size):
+        pivot = max(range(col, size), key=lambda r: abs(rows[r][col]))
+        if abs(rows[pivot][col]) <= tiny:
+            return None
+        rows[col], rows[pivot] = rows[pivot], rows[col]
+        for r in range(col + 1, size):
+            factor = rows[r][col] / rows[col][col]
+            rows[r] = [a - factor * b for a, b in zip(rows[r], rows[col], strict=True)]
+    solved = [0.0] * size
+    for r in reversed(range(size)):
+        known = sum(rows[r][c] * solved[c] for c in range(r + 1, size))
+        solved[r] = (rows[r][size] - known) / rows[r][r]
+    return solved
 
 
 def ridge_system(
