@@ -315,7 +315,8 @@ async def stream_generate(
                             stretch_tokens=len(tokens),
                             seconds=0.0 if came is None else came.seconds,
                             ended=True,
-                            failed=came is None or not came.complete,
+                            # Whole but with no finish reason: vLLM sent an error event.
+                            failed=came is None or came.finish_reason is None,
                             first=None if came is None else came.first,
                         )
                     )

@@ -10,7 +10,11 @@ Faults (FAULTS):
 * ``truncate`` -- vLLM's real answer cut in half, sent with a matching Content-Length
                   (a well-formed HTTP response carrying malformed JSON); a stream's
                   answer is cut after the last whole event of its first half (a stream
-                  whose connection closed early: no [DONE]).
+                  whose connection closed early: no [DONE]);
+* ``stall``    -- (asked for by name, not in FAULTS' mix) the first half of vLLM's real
+                  answer, cut as ``truncate`` cuts it but sent with the whole answer's
+                  Content-Length, then nothing for `delay_s`, then the connection closes
+                  (an upstream that stops mid-answer).
 
 Every other call is forwarded to the upstream and its answer relayed whole (bodies
 are buffered: a stream reaches the caller in one piece, its events unchanged). The shim
@@ -34,6 +38,7 @@ from dataclasses import dataclass, field
 import httpx
 
 FAULTS = ("reset", "delay", "http500", "http503", "truncate")
+STALL = "stall"
 _REASONS = {200: "OK", 500: "Internal Server Error", 503: "Service Unavailable"}
 
 
@@ -64,9 +69,9 @@ class FaultShim:
         """`rate`: the share of calls to `paths` that get one of `faults` (drawn with
         `seed`); `only_streams`: only calls whose body asks for a stream; `record`: keep
         every relayed call in `stats.relayed`."""
-        unknown = set(faults) - set(FAULTS)
+        unknown = set(faults) - {*FAULTS, STALL}
         if unknown:
-            raise ValueError(f"Unknown faults: {sorted(unknown)}; valid: {FAULTS}")
+            raise ValueError(f"Unknown faults: {sorted(unknown)}; valid: {(*FAULTS, STALL)}")
         self.upstream_url = upstream_url.rstrip("/")
         self.rate = rate
         self.faults = faults
@@ -175,7 +180,8 @@ class FaultShim:
         forward = {k: v for k, v in headers.items() if k not in ("host", "content-length")}
         response = await self._client.request(method, path, content=body, headers=forward)
         content = response.content
-        if fault == "truncate":
+        length = len(content)
+        if fault in ("truncate", STALL):
             cut = len(content) // 2
             if streaming and b"\n\n" in content[:cut]:
                 cut = content.rfind(b"\n\n", 0, cut) + 2
@@ -183,6 +189,10 @@ class FaultShim:
         if self.record and fault is None:
             self.stats.relayed.append((route, body, content))
         content_type = response.headers.get("content-type", "application/json")
+        if fault == STALL:
+            await _write_response(writer, response.status_code, content, content_type, length)
+            await asyncio.sleep(self.delay_s)
+            return False
         await _write_response(writer, response.status_code, content, content_type)
         return True
 
@@ -217,12 +227,17 @@ async def _read_request(
 
 
 async def _write_response(
-    writer: asyncio.StreamWriter, status: int, body: bytes, content_type: str
+    writer: asyncio.StreamWriter,
+    status: int,
+    body: bytes,
+    content_type: str,
+    length: int | None = None,
 ) -> None:
+    """`body` after a head announcing `length` bytes (default: the body's)."""
     head = (
         f"HTTP/1.1 {status} {_REASONS.get(status, 'Status')}\r\n"
         f"content-type: {content_type}\r\n"
-        f"content-length: {len(body)}\r\n\r\n"
+        f"content-length: {len(body) if length is None else length}\r\n\r\n"
     )
     writer.write(head.encode("latin-1") + body)
     await writer.drain()

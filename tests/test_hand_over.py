@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import json
 import re
+import time
 
 import httpx
 import pytest
 from background_server import BackgroundServer
-from fault_shim import FaultShim
+from fault_shim import STALL, FaultShim
 from metrics import scrape
+from tcp_relay import TcpRelay
 
 from proxy.decoding import TreeSettings
 from proxy.server.app import create_app
@@ -97,12 +99,17 @@ def test_a_request_left_to_vllm_gets_vllms_own_answer(vllm_server):
             bodies = _bodies(vllm_server.model)
             path, body = bodies[0]
             bodies.append((path, body | {"return_token_ids": True, "request_id": "ids"}))
+            unnamed = {key: value for key, value in body.items() if key != "model"}
+            bodies.append((path, unnamed | {"request_id": "no-model"}))
             for path, body in bodies:
                 relayed = _stream(proxy.url, path, body)
-                sent = [answer for route, call, answer in shim.stats.relayed
+                sent = [(json.loads(call), answer) for route, call, answer in shim.stats.relayed
                         if route == path and json.loads(call)["request_id"] == body["request_id"]]  # fmt: skip
                 assert len(sent) == 1, body
-                expected = sent[0] if body.get("return_token_ids") else _unasked(sent[0])
+                call, answer = sent[0]
+                # The model the proxy's own calls name, where the client named none.
+                assert call["model"] == vllm_server.model, body
+                expected = answer if body.get("return_token_ids") else _unasked(answer)
                 *events, usage, done = relayed.split(b"\n\n")[:-1]
                 if body.get("stream_options"):
                     usage = json.loads(usage[len(b"data: ") :])
@@ -131,7 +138,9 @@ def test_a_relayed_answer_that_breaks_goes_on_from_its_tokens(vllm_server):
     """Every stream is cut after half its events (no [DONE]): the relayed answer, then
     the plain streams the loop opens after it. The client's tokens and text are still
     vLLM's greedy answer, without an error event."""
-    bodies = _bodies(vllm_server.model)
+    # No request ids: the proxy's own events after the break take vLLM's names.
+    bodies = [(path, {key: value for key, value in body.items() if key != "request_id"})
+              for path, body in _bodies(vllm_server.model)]  # fmt: skip
     asked = [(path, body | {"return_token_ids": True, "max_tokens": 48}) for path, body in bodies]
     cut = {"rate": 1.0, "faults": ("truncate",), "only_streams": True,
            "paths": ("/v1/completions", "/v1/chat/completions")}  # fmt: skip
@@ -156,3 +165,59 @@ def test_a_relayed_answer_that_breaks_goes_on_from_its_tokens(vllm_server):
         tokens, text = _output(events)
         assert tokens == choice["token_ids"], body
         assert text == (choice.get("text") or choice["message"]["content"]), body
+        # One stream, one name: the events after the break have the id and the creation
+        # time of vLLM's events before it.
+        assert len({(event["id"], event["created"]) for event in events[:-1]}) == 1, body
+
+
+def test_a_relayed_answer_that_stalls_ends_at_the_deadline(vllm_server):
+    """vLLM stops mid-answer (the fault shim sends the first half of its answer, then
+    nothing): the client has vLLM's first events, then the deadline's error event and
+    [DONE] -- at the deadline, not when the read times out."""
+    deadline_s = 4.0
+    stall = {"rate": 1.0, "faults": (STALL,), "only_streams": True, "delay_s": 30.0}
+    path, body = _bodies(vllm_server.model)[0]
+    body = body | {"max_tokens": 48, "return_token_ids": True}
+    with FaultShim(vllm_server.url, **stall) as shim:
+        settings = ServerSettings(
+            target_url=shim.url, tokenizer=str(vllm_server.model_dir), drafter="ngram",
+            tree=TreeSettings(budget=8), read_timeout=60, request_timeout=deadline_s,
+            log_level="warning",
+        )  # fmt: skip
+        app = create_app(settings)
+        with BackgroundServer(app) as proxy:
+            _leave_to_vllm(app)
+            start = time.monotonic()
+            events = _events(_stream(proxy.url, path, body))
+            elapsed = time.monotonic() - start
+            metrics = scrape(proxy.url)
+    assert shim.stats.stream_faults[STALL] == 1
+    *answer, error, done = events
+    assert done == "[DONE]" and error["error"]["type"] == "timeout_error", events
+    tokens, _ = _output(answer)
+    direct = httpx.post(vllm_server.url + path, json=body | {"stream": False}, timeout=300)
+    assert tokens and tokens == direct.json()["choices"][0]["token_ids"][: len(tokens)]
+    assert deadline_s - 0.5 < elapsed < deadline_s + 1.0, elapsed
+    assert metrics["ddtree_deadline_exceeded_total"] == 1
+
+
+def test_handed_over_answers_leave_their_connection_pooled(vllm_server):
+    """Each answer is read to its end (vLLM's chunked terminator comes after [DONE]), so
+    every later hand-over goes on the same connection to vLLM: one closed unread is
+    dropped, and each request would pay a new connection on both hosts."""
+    with TcpRelay(vllm_server.url) as relay:
+        settings = ServerSettings(
+            target_url=relay.url, tokenizer=str(vllm_server.model_dir), drafter="ngram",
+            tree=TreeSettings(budget=8), log_level="warning",
+        )  # fmt: skip
+        app = create_app(settings)
+        with BackgroundServer(app) as proxy:
+            _leave_to_vllm(app)
+            bodies = _bodies(vllm_server.model)
+            _stream(proxy.url, *bodies[0])  # the streams' connection opens
+            opened = relay.connections
+            for path, body in bodies * 2:
+                _stream(proxy.url, path, body)
+            assert relay.connections == opened
+            metrics = scrape(proxy.url)
+    assert metrics.get(f'{HANDED_OVER}{{outcome="whole"}}') == 1 + 2 * len(bodies)

@@ -4,6 +4,7 @@ arrive, and what an answer that broke leaves to go on from."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import httpx
@@ -14,7 +15,8 @@ from proxy.server.relayed import RelayedAnswer, split_token_ids
 
 
 def _event(choices: list[dict], **extra) -> bytes:
-    data = {"id": "cmpl-1", "object": "text_completion", "choices": choices, **extra}
+    data = {"id": "cmpl-1", "object": "text_completion", "created": 7, "choices": choices,
+            **extra}  # fmt: skip
     return b"data: " + json.dumps(data, separators=(",", ":")).encode()
 
 
@@ -36,22 +38,27 @@ def test_token_ids_are_read_and_nulled_without_touching_other_bytes():
 class _Chunks(httpx.AsyncByteStream):
     def __init__(self, chunks: list[bytes]):
         self.chunks = chunks
+        self.read_to_end = False
 
     async def __aiter__(self):
         for chunk in self.chunks:
             yield chunk
+        self.read_to_end = True
 
 
 def _relay(chunks: list[bytes], keep_ids: bool = False) -> tuple[RelayedAnswer, bytes]:
     counts: list[int] = []
-    response = httpx.Response(200, stream=_Chunks(chunks))
+    body = _Chunks(chunks)
+    response = httpx.Response(200, stream=body)
     answer = RelayedAnswer(response, handed_at=0.0, keep_ids=keep_ids, on_tokens=counts.append)
 
-    async def body() -> bytes:
+    async def read() -> bytes:
         return b"".join([piece async for piece in answer.relay(deadline=float("inf"))])
 
-    sent = run(body())
+    sent = run(read())
     assert sum(counts) == len(answer.tokens)
+    # The body is read to its end, [DONE] or not (a connection is pooled only then).
+    assert body.read_to_end
     return answer, sent
 
 
@@ -93,6 +100,43 @@ def test_an_answer_that_breaks_leaves_its_tokens_and_text(chat):
     assert not outcome.complete and outcome.finish_reason is None
     assert outcome.tokens == [5, 6, 7] and outcome.text == "def f"
     assert sent.count(b"\n\n") == len(events)  # the partial event was not sent
+    assert answer.names() == ("cmpl-1", 7)  # what goes on from them keeps their names
+
+
+class _Stalling(httpx.AsyncByteStream):
+    """One chunk, then nothing until closed; a read that waits then fails, as aiohttp's
+    does when its response is released."""
+
+    def __init__(self, chunk: bytes):
+        self.chunk = chunk
+        self.closed = asyncio.Event()
+
+    async def __aiter__(self):
+        yield self.chunk
+        await self.closed.wait()
+        raise httpx.ReadError("the answer was closed")
+
+    async def aclose(self) -> None:
+        self.closed.set()
+
+
+def test_an_answer_that_stalls_ends_at_the_deadline():
+    first = _event([{"index": 0, "text": "x", "finish_reason": None, "token_ids": [5]}])
+    stream = _Stalling(first + b"\n\n")
+    answer = RelayedAnswer(httpx.Response(200, stream=stream), handed_at=0.0, keep_ids=True)
+    sent: list[bytes] = []
+
+    async def read() -> None:
+        deadline = asyncio.get_running_loop().time() + 0.2
+        async with asyncio.timeout(30):  # a hang is a failure, not a wait
+            async for piece in answer.relay(deadline):
+                sent.append(piece)
+        await answer.aclose()
+
+    with pytest.raises(TimeoutError):
+        run(read())
+    assert stream.closed.is_set()  # closed at the deadline: vLLM aborts the request
+    assert sent == [first + b"\n\n"] and answer.tokens == [5]
 
 
 def test_an_answer_that_ends_in_an_error_event_is_not_gone_on_from():
@@ -101,3 +145,8 @@ def test_an_answer_that_ends_in_an_error_event_is_not_gone_on_from():
     answer, _ = _relay([first + b"\n\n" + error + b"\n\n"])  # closed without [DONE]
     with pytest.raises(ValueError, match="not an answer"):
         answer.outcome()
+    # With [DONE] after it, the answer is vLLM's whole (the client has its error event),
+    # with no finish reason: the loop records the stretch as failed, not as a measurement.
+    answer, _ = _relay([first + b"\n\n" + error + b"\n\n" + b"data: [DONE]\n\n"])
+    outcome = answer.outcome()
+    assert outcome.complete and outcome.finish_reason is None

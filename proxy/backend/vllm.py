@@ -154,10 +154,14 @@ class VLLMHttp:
                 await asyncio.sleep(self.retry.delay(attempt, self._rng))
         raise AssertionError("unreachable")
 
+    def _where(self, method: str, path: str) -> str:
+        """A call's name in its errors."""
+        return f"vLLM {method} {self.base_url}{path}"
+
     async def _request_once(
         self, method: str, path: str, body: Any, headers: dict[str, str] | None = None
     ) -> Any:
-        where = f"vLLM {method} {self.base_url}{path}"
+        where = self._where(method, path)
         try:
             response = await self.client.request(method, path, json=body, headers=headers)
         except httpx.HTTPError as exc:
@@ -194,7 +198,7 @@ class VLLMHttp:
     ) -> httpx.Response:
         """Send a request as given and return the response with its body unread (the
         caller relays it and closes it); no retries: it may not be idempotent."""
-        where = f"vLLM {method} {self.base_url}{path}"
+        where = self._where(method, path)
         try:
             # On the client's transport directly: the client's own layers (URL merging,
             # cookies, auth and redirect flows, a wrapped body) cost about 130 us of CPU
@@ -216,7 +220,7 @@ class VLLMHttp:
         Failures before it are retried like `request_json`'s (vLLM aborts a request
         whose connection closed); TargetError once they are not worth another try."""
         self.num_calls[path] += 1
-        where = f"vLLM POST {self.base_url}{path}"
+        where = self._where("POST", path)
         headers = {"content-type": "application/json", **(headers or {})}
         attempt = 0
         while True:
@@ -249,7 +253,7 @@ class VLLMHttp:
         After [DONE] the body is read to its end (the chunked terminator), so that the
         connection goes back to the pool: one closed unread is dropped, and the next
         stream pays a new connection on both sides."""
-        where = f"vLLM POST {self.base_url}{path}"
+        where = self._where("POST", path)
         response = await self.post_stream(path, json.dumps(body).encode(), headers)
         done = False
         try:

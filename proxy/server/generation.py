@@ -6,6 +6,12 @@ Tokens reach the client only after the target verified them, so a failure can cu
 response short but never emit a wrong or duplicated token. The first round runs
 before a stream's response starts, so a request that fails at once gets a real HTTP
 error status; later failures become an error event followed by [DONE].
+
+A streaming request the policy leaves to vLLM from its first token to its end is
+handed over (`proxy.decoding.HandOver`): the client's own request goes to vLLM and
+vLLM's own events come back to the client (`proxy.server.relayed`), the usage event
+with the proxy's statistics added; if the answer breaks, the loop goes on from the
+tokens the client has.
 """
 
 from __future__ import annotations
@@ -148,6 +154,10 @@ class Responder:
         assert plan.client_body is not None
         body = {key: value for key, value in plan.client_body.items() if key != "ddtree"}
         body["return_token_ids"] = True
+        # The model the proxy's own calls name (vLLM's default may be another, e.g. the
+        # base of a --model adapter): an answer that breaks goes on with the same model.
+        if body.get("model") is None:
+            body["model"] = self.runtime.model_name
         try:
             content = json.dumps(body).encode()
             response = await handed.relay(PATHS[plan.endpoint], content, plan.client_headers)
@@ -199,6 +209,9 @@ class Responder:
                 yield sse("[DONE]")
                 return
             self.metrics.handed_over.labels("resumed").inc()
+            names = answer.names()  # the client's events so far are vLLM's: keep their names
+            if names is not None:
+                plan.writer.id, plan.writer.created = names
             logger.info(
                 "a relayed answer broke after %d tokens; going on from them",
                 len(handed.outcome.tokens),

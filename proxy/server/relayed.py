@@ -91,36 +91,45 @@ class RelayedAnswer:
         # statistics) and [DONE] (after it).
         self.usage: dict[str, Any] | None = None
         self.done = False  # [DONE] came
+        self._expired: asyncio.Task | None = None  # closing the answer at the deadline
 
     async def relay(self, deadline: float) -> AsyncIterator[bytes]:
-        """The events as they come (but the usage event and [DONE]), until [DONE] or the
-        answer breaks (an upstream error or an end before [DONE] ends the iteration:
-        `outcome` says how far it came). TimeoutError past `deadline` (loop time)."""
+        """The events as they come (but the usage event and [DONE]), until the answer
+        ends or breaks (an upstream error or an end before [DONE]: `outcome` says how far
+        it came). After [DONE] the body is read to its end (the chunked terminator, sent
+        with it), so that the connection goes back to the pool: one closed unread is
+        dropped, and the next request would pay a new one on both hosts. TimeoutError
+        past `deadline` (loop time), even while vLLM sends nothing: the answer is closed
+        then (vLLM aborts it), which ends the read that waits."""
         pending = b""
-        clock = asyncio.get_running_loop().time
+        # One timer for the answer (a timeout scope per chunk costs ~6 us each).
+        timer = asyncio.get_running_loop().call_at(deadline, self._expire)
         try:
-            # The read timeout ends a stall; a stream that drips past the deadline ends
-            # at its next event.
             async for chunk in self.response.stream:  # type: ignore[union-attr]  # as read
-                if clock() > deadline:
-                    raise TimeoutError
+                if self.done:
+                    continue
                 *events, pending = (pending + chunk).split(b"\n\n")
                 out = b"".join([self._event(event) for event in events])
                 if out:
                     yield out
-                if self.done:
-                    return
         except httpx.HTTPError:
-            return  # it broke
+            pass  # it broke -- or the deadline closed it
+        finally:
+            timer.cancel()
+        if self._expired is not None and not self.done:
+            raise TimeoutError
+
+    def _expire(self) -> None:
+        self._expired = asyncio.ensure_future(self.response.aclose())
 
     def _event(self, event: bytes) -> bytes:
         if event == _DONE:
             self.done = True
             return b""
-        if event.startswith(b"data: {") and _USAGE in event:
-            self.usage = json.loads(event[len(b"data: ") :])
-            return b""
         if event.startswith(b"data: {"):
+            if _USAGE in event:
+                self.usage = json.loads(event[len(b"data: ") :])
+                return b""
             event, ids = split_token_ids(event, self.keep_ids)
             self.events.append(event)
             if ids:
@@ -145,8 +154,20 @@ class RelayedAnswer:
         text = "".join(_text(_data(event)) for event in self.events)
         return Relayed(self.tokens, self.last - self.handed_at, self.first, False, None, text)
 
+    def names(self) -> tuple[str, int] | None:
+        """(id, created) of vLLM's events sent, None if none was: a stream that goes on
+        from them keeps their names."""
+        if not self.events:
+            return None
+        with contextlib.suppress(ValueError, KeyError, TypeError):
+            data = _data(self.events[0])
+            return str(data["id"]), int(data["created"])
+        return None
+
     async def aclose(self) -> None:
-        await self.response.aclose()  # vLLM aborts a request whose stream is closed
+        if self._expired is not None:
+            await self._expired
+        await self.response.aclose()  # vLLM aborts a request whose answer is closed unread
 
 
 def _data(event: bytes) -> dict[str, Any]:
