@@ -40,7 +40,9 @@ async def relay(
 ) -> Response:
     """Send one request to vLLM as the client sent it (`path` with the client's query
     string); relay its status, headers and body bytes as they arrive."""
-    headers = {name: value for name, value in request.headers.items() if name not in _NOT_FORWARDED}
+    headers = {
+        name: value for name, value in request.headers.items() if name not in _NOT_FORWARDED
+    }
     # No compression the client did not ask for (the body is relayed as it comes).
     headers["accept-encoding"] = request.headers.get("accept-encoding", "identity")
     if request.url.query:
