@@ -154,6 +154,12 @@ def test_a_direct_streams_tokens_are_counted_from_ids_outputs_and_usage():
     ids = {"choices": [{"index": 0, "text": "cde", "token_ids": [5, 6, 7]}]}
     tool = {"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0}]}}]}
     thought = {"choices": [{"index": 0, "delta": {"reasoning_content": "hm"}}]}
+    # Found without parsing: a key inside a string, a logprobs' content list, an empty
+    # delta are no output; an escaped quote is text.
+    quoted = {"choices": [{"index": 0, "text": 'say "text": "hi"'}]}
+    logprobs = {"choices": [{"index": 0, "delta": {"content": ""},
+                             "logprobs": {"content": [{"token": "a", "logprob": -0.1}]}}]}  # fmt: skip
+    escaped = {"choices": [{"index": 0, "delta": {"content": '"'}}]}
     empty = {"choices": [{"index": 0, "text": "", "finish_reason": "length"}]}
     usage = {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 8}}
     clock = Clock()
@@ -166,9 +172,9 @@ def test_a_direct_streams_tokens_are_counted_from_ids_outputs_and_usage():
             counter(chunk)
         return timing
 
-    body = _sse(text, ids, tool, thought, empty)
+    body = _sse(text, ids, tool, thought, quoted, logprobs, escaped, empty)
     without = counted(body[:7], body[7:40], body[40:] + b"data: [DONE]\n\n")
-    assert without.num_tokens == 6 and without.finish_reason == "length"
+    assert without.num_tokens == 8 and without.finish_reason == "length"
     with_usage = counted(body, _sse(usage), b"data: [DONE]\n\n")
     assert with_usage.num_tokens == 8
     record = with_usage.record()

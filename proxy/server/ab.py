@@ -20,6 +20,7 @@ import asyncio
 import json
 import logging
 import random
+import re
 import time
 from collections import deque
 from typing import Any, AsyncIterator, Callable, Iterable
@@ -481,12 +482,28 @@ class _StreamIds:
             self.output_ids += choice.get("token_ids") or ()
 
 
+# What the A/B clock reads from a direct stream's events, found without parsing them
+# (a JSON parse per event costs more than the rest of relaying it): output (a non-empty
+# text, content or reasoning, or a tool call), the finish reason, the usage's
+# completion tokens, and token ids (`"token_ids"`, not `prompt_token_ids`). A quote opens a key only outside strings (inside one every quote
+# is escaped), and a key, not a string value, is followed by a colon: each match is the
+# key's. (Keys of nested objects with other values -- e.g. a logprobs' `content` list,
+# a top logprob's number -- do not match.)
+_EVENT_FIELDS = re.compile(
+    rb'"(?:(?:text|content|reasoning_content)"\s*:\s*"[^"]'
+    rb'|tool_calls"\s*:\s*\[\s*\{'
+    rb'|finish_reason"\s*:\s*"([^"]*)"'
+    rb'|completion_tokens"\s*:\s*(\d+)'
+    rb'|token_ids"\s*:\s*\[([0-9,\s]*)\])'
+)
+
+
 class _TokenCounter:
     """Counts a direct answer's tokens as its bytes go out: a JSON answer's from its
-    `usage` at the end; a stream's per event that carries output (its `token_ids` where
-    they were asked for, else one: vLLM sends one event per token unless it speculates
-    itself or its client falls behind), set to the stream's `usage` at the end where the
-    client asked for it."""
+    `usage` at the end; a stream's per event from its `token_ids` where they were asked
+    for, else one per output it carries (vLLM sends one event per token and choice
+    unless it speculates itself or its client falls behind), set to the stream's `usage`
+    at the end where the client asked for it."""
 
     def __init__(self, timing: RequestTiming, stream: bool):
         self.timing = timing
@@ -501,23 +518,20 @@ class _TokenCounter:
         count = 0
         usage_total = None
         for event in events:
-            if not event.startswith(b"data: ") or event == b"data: [DONE]":
+            if not event.startswith(b"data: {"):
                 continue
-            try:
-                data = json.loads(event[6:])
-            except json.JSONDecodeError:
-                continue
-            for choice in data.get("choices") or ():
-                delta = choice.get("delta") or {}
-                output = (choice.get("text") or delta.get("content")
-                          or delta.get("reasoning_content") or delta.get("tool_calls"))  # fmt: skip
-                if output or choice.get("token_ids"):
-                    count += len(choice.get("token_ids") or ()) or 1
-                if choice.get("finish_reason"):
-                    self.timing.finish_reason = choice["finish_reason"]
-            usage = data.get("usage")
-            if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
-                usage_total = usage["completion_tokens"]
+            outputs = ids = 0
+            for match in _EVENT_FIELDS.finditer(event):
+                reason, completion_tokens, token_ids = match.groups()
+                if reason is not None:
+                    self.timing.finish_reason = reason.decode()
+                elif completion_tokens is not None:
+                    usage_total = int(completion_tokens)
+                elif token_ids is not None:
+                    ids += token_ids.count(b",") + 1 if token_ids.strip() else 0
+                else:
+                    outputs += 1
+            count += ids or outputs
         self.timing.tokens(count)
         if usage_total is not None:
             # vLLM merges tokens into one event when its client falls behind; the usage
