@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections import deque
 from collections.abc import Callable
 
 import numpy as np
@@ -175,29 +174,35 @@ class LinearCost:
         self.half_life_s = half_life_s
         self._num_cols = num_features + 1
         self._ridged = None if ridged is None else np.asarray(ridged, dtype=bool)
-        self._rows: deque[tuple[float, ...]] = deque(maxlen=MAX_CALLS)  # (t, features, s)
+        # The latest MAX_CALLS observations (t, features..., seconds), a ring: row
+        # `_count % MAX_CALLS` is written next (a fit does not depend on their order).
+        self._rows = np.empty((MAX_CALLS, 1 + self._num_cols))
+        self._count = 0  # observations so far
+        self._latest = 0.0  # the clock of the last one
         self._theta: np.ndarray | None = None
 
     def observe(self, *features_and_seconds: float) -> None:
         assert len(features_and_seconds) == self._num_cols, features_and_seconds
-        now = self._clock()
-        self._rows.append((now, *features_and_seconds))
+        self._latest = self._clock()
+        self._rows[self._count % MAX_CALLS] = (self._latest, *features_and_seconds)
+        self._count += 1
         self._theta = None
 
     @property
     def num_rows(self) -> int:
-        return len(self._rows)
+        """The observations the fit holds."""
+        return min(self._count, MAX_CALLS)
 
     def coefficients(self) -> np.ndarray:
         """[1 + features] seconds per unit of each; zeros before any observation.
         (Fading scales every row's weight alike as time passes, so the fit changes only
         when a row is added.)"""
         if self._theta is None:
-            if not self._rows:
+            if not self._count:
                 return np.zeros(self._num_cols)
-            data = np.asarray(self._rows)
-            # `decay` of each row's age, at once (rows are kept oldest first).
-            weights = 2.0 ** ((data[:, 0] - data[-1, 0]) / self.half_life_s)
+            data = self._rows[: self.num_rows]
+            # `decay` of each row's age, at once.
+            weights = 2.0 ** ((data[:, 0] - self._latest) / self.half_life_s)
             self._theta = nonnegative_ridge(self._design(data[:, 1:], weights), weights, self._ridged)
         return self._theta
 

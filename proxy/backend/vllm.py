@@ -27,6 +27,7 @@ lands at absolute (0-based) position ``len(committed) + d``; the root's draw lan
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import random
 import uuid
@@ -123,6 +124,8 @@ class VLLMHttp:
         self.stream_client = client(None)
         self._stream_headers = headers
         self._stream_extensions = {"timeout": timeout.as_dict()}
+        # Each path's URL, parsed once (parsing one costs half of building a request).
+        self._urls = functools.lru_cache(maxsize=64)(lambda path: httpx.URL(self.base_url + path))
         self.retry = retry or RetryPolicy()
         self.on_retry: Callable[[str], None] | None = None
         self.num_calls: Counter[str] = Counter()
@@ -205,7 +208,7 @@ class VLLMHttp:
             # a request, as much as relaying a few events. `_transport_for_url` is
             # where httpx picks it (and where respx puts its mock).
             request = httpx.Request(
-                method, self.base_url + path, content=content,
+                method, self._urls(path), content=content,
                 headers={**self._stream_headers, **headers}, extensions=self._stream_extensions,
             )  # fmt: skip
             transport = self.stream_client._transport_for_url(request.url)

@@ -86,12 +86,16 @@ def create_app(
         if request.url.path.startswith(VLLM_GUARDED_PREFIXES) and request.method != "OPTIONS":
             await authorize(request)
 
-    @app.post("/v1/completions", dependencies=guarded)
+    # The generation routes check the key themselves: a FastAPI dependency is solved on
+    # every request, a cost per request as large as a few relayed events.
+    @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
+        await authorize(request)
         return await server.generate(request, "completions")
 
-    @app.post("/v1/chat/completions", dependencies=guarded)
+    @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
+        await authorize(request)
         return await server.generate(request, "chat")
 
     @app.get("/v1/models", dependencies=guarded)
