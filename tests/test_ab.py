@@ -17,7 +17,6 @@ import numpy as np
 import pytest
 from background_server import BackgroundServer
 from conftest import run
-from fastapi.responses import StreamingResponse
 from hypothesis import given
 from hypothesis import settings as hypothesis_settings
 from hypothesis import strategies as st
@@ -48,6 +47,7 @@ from proxy.sampling import SamplingParams
 from proxy.server.ab import AB, GUARDRAIL_ALPHA, GUARDRAIL_BLOCK, _TokenCounter
 from proxy.server.app import create_app
 from proxy.server.settings import ServerSettings
+from proxy.server.streams import EventStream
 from proxy.tree import DraftDistribution, build_tree, walk
 
 # --- the split ----------------------------------------------------------------------
@@ -671,14 +671,14 @@ def _direct_ab(**ab_fields) -> AB:
 
 
 def _relay(chunks: list[bytes], sent: list[dict]):
-    async def relay(body: dict) -> StreamingResponse:
+    async def relay(body: dict) -> EventStream:
         sent.append(body)
 
         async def upstream():
             for chunk in chunks:
                 yield chunk
 
-        return StreamingResponse(upstream(), status_code=200)
+        return EventStream(upstream(), status_code=200)
 
     return relay
 
@@ -689,9 +689,19 @@ async def _served(ab: AB, body: dict, chunks: list[bytes], endpoint="completions
     response = await ab.direct(_relay(chunks, sent), body, endpoint, RequestTiming("direct"),
                                _RUNTIME)  # fmt: skip
     assert sent[0]["return_token_ids"] is True and response.headers["x-ddtree-arm"] == "direct"
-    if hasattr(response, "body_iterator"):
-        return b"".join([chunk async for chunk in response.body_iterator])
-    return response.body
+    if not isinstance(response, EventStream):
+        return response.body
+    sent_out: list[dict] = []
+
+    async def receive() -> dict:
+        await asyncio.Event().wait()  # the client stays
+        return {}
+
+    async def send(message: dict) -> None:
+        sent_out.append(message)
+
+    await response({"type": "http"}, receive, send)
+    return b"".join(m.get("body", b"") for m in sent_out if m["type"] == "http.response.body")
 
 
 def test_a_shadow_sampled_answer_keeps_vllms_bytes_but_the_ids():

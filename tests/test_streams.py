@@ -31,7 +31,7 @@ class Client:
 
 def _stream(body, log: list[str]) -> EventStream:
     response = EventStream(body, media_type="text/event-stream")
-    response.on_close = lambda: log.append("closed")
+    response.on_close.append(lambda complete: log.append(f"closed, complete {complete}"))
     return response
 
 
@@ -54,7 +54,7 @@ def test_a_stream_sends_its_chunks_then_ends_and_calls_on_close():
     assert (b"content-type", b"text/event-stream; charset=utf-8") in client.sent[0]["headers"]
     assert [m["body"] for m in client.sent[1:]] == [b"data: 1\n\n", b"data: 2\n\n", b""]
     assert [m["more_body"] for m in client.sent[1:]] == [True, True, False]
-    assert log == ["closed"]
+    assert log == ["closed, complete True"]
 
 
 def test_a_client_that_leaves_ends_the_body_where_it_waits():
@@ -85,7 +85,7 @@ def test_a_client_that_leaves_ends_the_body_where_it_waits():
     client = asyncio.run(scenario())
     assert 2 <= len(client.sent) < 100  # started, then ended early
     assert not any(m.get("more_body") is False for m in client.sent)
-    assert log == ["body closed", "closed"]
+    assert log == ["body closed", "closed, complete False"]
 
 
 def test_a_stream_cancelled_by_the_server_is_cancelled():
@@ -112,4 +112,4 @@ def test_a_stream_cancelled_by_the_server_is_cancelled():
 
     with pytest.raises(asyncio.CancelledError):
         asyncio.run(scenario())
-    assert log == ["body closed", "closed"]
+    assert log == ["body closed", "closed, complete False"]

@@ -41,6 +41,7 @@ from proxy.server.plan import max_tokens_in_force, requested_max_tokens
 from proxy.server.relayed import split_token_ids
 from proxy.server.request_models import REQUEST_MODELS, Endpoint
 from proxy.server.settings import ServerSettings
+from proxy.server.streams import EventStream
 
 logger = logging.getLogger("ddtree_proxy.ab")
 ARM_HEADER = "x-ddtree-arm"
@@ -194,26 +195,24 @@ class AB:
         response.headers[ARM_HEADER] = timing.arm
         hooks = self._hooks
         ok = response.status_code == 200
-        if not hasattr(response, "body_iterator"):
+        if not isinstance(response, EventStream):
             if on_chunk is not None and ok:
                 ok = hooks.run("timing", on_chunk, response.body)
             hooks.run("timing", self.finish, timing, ok)
             return response
-        inner = response.body_iterator
+        measured = ok  # False after a failed hook: the clock missed tokens
 
-        async def body() -> AsyncIterator[bytes]:
-            measured = ok  # False after a failed hook: the clock missed tokens
-            complete = False
-            try:
-                async for chunk in inner:
-                    if on_chunk is not None and measured:
-                        measured = hooks.run("timing", on_chunk, chunk)
-                    yield chunk
-                complete = True
-            finally:
-                hooks.run("timing", self.finish, timing, measured and complete)
+        def chunk_out(chunk: bytes) -> None:
+            nonlocal measured
+            if measured:
+                measured = hooks.run("timing", on_chunk, chunk)
 
-        response.body_iterator = body()
+        def closed(complete: bool) -> None:
+            hooks.run("timing", self.finish, timing, measured and complete)
+
+        if on_chunk is not None:
+            response.on_chunk = chunk_out
+        response.on_close.append(closed)
         return response
 
     # ----- the direct arm ---------------------------------------------------------

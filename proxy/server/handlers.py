@@ -176,7 +176,8 @@ class Handlers:
                 # The first round (and with it vLLM's verdict on the client's parameters)
                 # completes before the response starts.
                 response = await responder.stream(plan, deadline)
-                response.on_close = release  # the stream holds its slot until it ends
+                # The stream holds its slot until it ends.
+                response.on_close.append(lambda complete, release=release: release())
                 release = None
                 return self.ab.watch(response, timing)
             return self.ab.watch(await responder.complete(plan, deadline), timing)

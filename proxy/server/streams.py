@@ -21,12 +21,15 @@ from starlette.types import Receive, Scope, Send
 
 class EventStream(Response):
     """A streaming response. `body_iterator` may be replaced (wrapped) before it is
-    sent; `on_close` is called when the response is done with, however it ends
-    (finished, failed, client gone): an admitted stream holds its slot until then.
-    A client that disconnects cancels the body where it waits (its `finally` blocks
-    run: a relayed answer is closed, and vLLM aborts it)."""
+    sent; `on_chunk` (one, set before it is sent) sees each chunk before it goes out,
+    and must not raise; each of `on_close` is called with whether the body ran to its
+    end when the response is done with, however it ends (finished, failed, client gone):
+    an admitted stream holds its slot until then, the A/B clock stops then. (Callbacks,
+    not wrapping generators: each layer of those costs microseconds a chunk, and a
+    chunk is a token.) A client that disconnects cancels the body where it waits (its
+    `finally` blocks run: a relayed answer is closed, and vLLM aborts it)."""
 
-    on_close: Callable[[], None] | None = None
+    on_chunk: Callable[[bytes], None] | None = None
 
     def __init__(
         self,
@@ -38,6 +41,7 @@ class EventStream(Response):
         self.status_code = status_code
         self.media_type = media_type
         self.background = None
+        self.on_close: list[Callable[[bool], None]] = []
         self.init_headers(None)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -53,13 +57,18 @@ class EventStream(Response):
             task.cancel()
 
         listener = asyncio.ensure_future(listen())
+        complete = False
         try:
             await send(
                 {"type": "http.response.start", "status": self.status_code,
                  "headers": self.raw_headers}
             )  # fmt: skip
+            on_chunk = self.on_chunk
             async for chunk in self.body_iterator:
+                if on_chunk is not None:
+                    on_chunk(chunk)
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            complete = True
             # Sent before the listener can run (the server's answer to `receive` after
             # the response is complete is a disconnect too): it is cancelled below.
             await send({"type": "http.response.body", "body": b"", "more_body": False})
@@ -76,5 +85,5 @@ class EventStream(Response):
                 if aclose is not None:
                     await aclose()
             finally:
-                if self.on_close is not None:
-                    self.on_close()
+                for call in self.on_close:
+                    call(complete)
