@@ -14,7 +14,10 @@ Faults (FAULTS):
 * ``stall``    -- (asked for by name, not in FAULTS' mix) the first half of vLLM's real
                   answer, cut as ``truncate`` cuts it but sent with the whole answer's
                   Content-Length, then nothing for `delay_s`, then the connection closes
-                  (an upstream that stops mid-answer).
+                  (an upstream that stops mid-answer);
+* ``lose_usage`` -- (by name too) a stream's answer up to its usage event (the one
+                  whose choices are empty), which is cut off with the rest: every token
+                  and the finish reason arrive, then the connection closes.
 
 Every other call is forwarded to the upstream and its answer relayed whole (bodies
 are buffered: a stream reaches the caller in one piece, its events unchanged). The shim
@@ -27,6 +30,7 @@ serves from a daemon thread with its own event loop.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import random
 import socket
@@ -39,6 +43,7 @@ import httpx
 
 FAULTS = ("reset", "delay", "http500", "http503", "truncate")
 STALL = "stall"
+LOSE_USAGE = "lose_usage"
 _REASONS = {200: "OK", 500: "Internal Server Error", 503: "Service Unavailable"}
 
 
@@ -69,9 +74,10 @@ class FaultShim:
         """`rate`: the share of calls to `paths` that get one of `faults` (drawn with
         `seed`); `only_streams`: only calls whose body asks for a stream; `record`: keep
         every relayed call in `stats.relayed`."""
-        unknown = set(faults) - {*FAULTS, STALL}
+        unknown = set(faults) - {*FAULTS, STALL, LOSE_USAGE}
         if unknown:
-            raise ValueError(f"Unknown faults: {sorted(unknown)}; valid: {(*FAULTS, STALL)}")
+            valid = (*FAULTS, STALL, LOSE_USAGE)
+            raise ValueError(f"Unknown faults: {sorted(unknown)}; valid: {valid}")
         self.upstream_url = upstream_url.rstrip("/")
         self.rate = rate
         self.faults = faults
@@ -186,6 +192,11 @@ class FaultShim:
             if streaming and b"\n\n" in content[:cut]:
                 cut = content.rfind(b"\n\n", 0, cut) + 2
             content = content[:cut]
+        if fault == LOSE_USAGE:
+            events = content.split(b"\n\n")
+            kept = list(itertools.takewhile(lambda event: b'"choices":[]' not in event, events))
+            assert len(kept) < len(events), f"{LOSE_USAGE}: the answer has no usage event"
+            content = b"".join(event + b"\n\n" for event in kept)
         if self.record and fault is None:
             self.stats.relayed.append((route, body, content))
         content_type = response.headers.get("content-type", "application/json")

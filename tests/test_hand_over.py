@@ -18,7 +18,7 @@ import time
 import httpx
 import pytest
 from background_server import BackgroundServer
-from fault_shim import STALL, FaultShim
+from fault_shim import LOSE_USAGE, STALL, FaultShim
 from metrics import scrape
 from tcp_relay import TcpRelay
 
@@ -199,6 +199,39 @@ def test_a_relayed_answer_that_stalls_ends_at_the_deadline(vllm_server):
     assert tokens and tokens == direct.json()["choices"][0]["token_ids"][: len(tokens)]
     assert deadline_s - 0.5 < elapsed < deadline_s + 1.0, elapsed
     assert metrics["ddtree_deadline_exceeded_total"] == 1
+
+
+def test_a_relayed_answer_cut_before_its_usage_still_ends_with_one(vllm_server):
+    """vLLM's answer reaches its last token and finish reason, then its connection closes
+    before the usage event the client asked for: the client still gets one, with vLLM's
+    counts and the names of vLLM's events, then [DONE]."""
+    lose = {"rate": 1.0, "faults": (LOSE_USAGE,), "only_streams": True,
+            "paths": ("/v1/completions", "/v1/chat/completions")}  # fmt: skip
+    asked = [(path, body) for path, body in _bodies(vllm_server.model) if "stream_options" in body]
+    with FaultShim(vllm_server.url, **lose) as shim:
+        settings = ServerSettings(
+            target_url=shim.url, tokenizer=str(vllm_server.model_dir), drafter="ngram",
+            tree=TreeSettings(budget=8), read_timeout=120, log_level="warning",
+        )  # fmt: skip
+        app = create_app(settings)
+        with BackgroundServer(app) as proxy:
+            _leave_to_vllm(app)
+            answers = [_events(_stream(proxy.url, path, body)) for path, body in asked]
+            metrics = scrape(proxy.url)
+    assert asked and shim.stats.stream_faults[LOSE_USAGE] == len(asked)
+    assert metrics.get(f'{HANDED_OVER}{{outcome="whole"}}') == len(asked)
+    for (path, body), events in zip(asked, answers, strict=True):
+        *answer, usage, done = events
+        direct = _events(_stream(vllm_server.url, path, body))
+        assert done == "[DONE]" and usage["choices"] == [], events
+        assert _output(answer) == _output(direct[:-2]), body
+        expected = {key: direct[-2]["usage"][key]
+                    for key in ("prompt_tokens", "completion_tokens", "total_tokens")}  # fmt: skip
+        assert {key: usage["usage"][key] for key in expected} == expected, body
+        assert usage["usage"]["ddtree"]["plain_calls"] == 1
+        assert {(event["id"], event["created"]) for event in events[:-1]} == {
+            (answer[0]["id"], answer[0]["created"])
+        }, body
 
 
 def test_handed_over_answers_leave_their_connection_pooled(vllm_server):

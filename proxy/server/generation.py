@@ -206,6 +206,13 @@ class Responder:
                 if answer.usage is not None:  # vLLM's, with the proxy's statistics
                     answer.usage["usage"]["ddtree"] = ddtree_usage(stats)
                     yield sse(answer.usage)
+                elif plan.include_usage:  # it broke after the last token, before the usage
+                    names = answer.names()
+                    if names is not None:
+                        plan.writer.id, plan.writer.created = names
+                    usage = usage_body(len(plan.generation.prompt_ids),
+                                       len(handed.outcome.tokens), stats)  # fmt: skip
+                    yield sse(plan.writer.usage_chunk(usage))
                 yield sse("[DONE]")
                 return
             self.metrics.handed_over.labels("resumed").inc()
