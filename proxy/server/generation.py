@@ -206,7 +206,9 @@ class Responder:
                 if answer.usage is not None:  # vLLM's, with the proxy's statistics
                     answer.usage["usage"]["ddtree"] = ddtree_usage(stats)
                     yield sse(answer.usage)
-                elif plan.include_usage:  # it broke after the last token, before the usage
+                elif plan.include_usage and not answer.done:
+                    # It broke after the last token, before the usage event. (After [DONE]
+                    # without one, vLLM sent none: an error event ended the answer.)
                     names = answer.names()
                     if names is not None:
                         plan.writer.id, plan.writer.created = names
