@@ -11,9 +11,11 @@ scripted traces are put in the policy's unit tests.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import time
+from collections.abc import Iterator
 
 import httpx
 import pytest
@@ -41,6 +43,18 @@ def _leave_to_vllm(app) -> None:
         policy.calls.observe(prompts, 4 * prompts, 10.0)
     policy.note_measured("plain")
     policy.note_measured("speculate")
+
+
+@contextlib.contextmanager
+def _proxy(target_url: str, vllm_server, **settings) -> Iterator[BackgroundServer]:
+    """A proxy before `target_url` (a shim or relay in front of vLLM) that leaves every
+    request to vLLM (`_leave_to_vllm`); `settings` over the tests' common ones."""
+    common = {"target_url": target_url, "tokenizer": str(vllm_server.model_dir),
+              "drafter": "ngram", "tree": TreeSettings(budget=8), "log_level": "warning"}  # fmt: skip
+    app = create_app(ServerSettings(**(common | settings)))
+    with BackgroundServer(app) as proxy:
+        _leave_to_vllm(app)
+        yield proxy
 
 
 def _stream(url: str, path: str, body: dict, headers: dict | None = None) -> bytes:
@@ -89,13 +103,7 @@ def test_a_request_left_to_vllm_gets_vllms_own_answer(vllm_server):
     event, two streams of one request can differ: vLLM merges tokens into one event
     when its reader falls behind.)"""
     with FaultShim(vllm_server.url, record=True) as shim:
-        settings = ServerSettings(
-            target_url=shim.url, tokenizer=str(vllm_server.model_dir), drafter="ngram",
-            tree=TreeSettings(budget=8), read_timeout=120, log_level="warning",
-        )  # fmt: skip
-        app = create_app(settings)
-        with BackgroundServer(app) as proxy:
-            _leave_to_vllm(app)
+        with _proxy(shim.url, vllm_server, read_timeout=120) as proxy:
             bodies = _bodies(vllm_server.model)
             path, body = bodies[0]
             bodies.append((path, body | {"return_token_ids": True, "request_id": "ids"}))
@@ -145,13 +153,7 @@ def test_a_relayed_answer_that_breaks_goes_on_from_its_tokens(vllm_server):
     cut = {"rate": 1.0, "faults": ("truncate",), "only_streams": True,
            "paths": ("/v1/completions", "/v1/chat/completions")}  # fmt: skip
     with FaultShim(vllm_server.url, **cut) as shim:
-        settings = ServerSettings(
-            target_url=shim.url, tokenizer=str(vllm_server.model_dir), drafter="ngram",
-            tree=TreeSettings(budget=8), read_timeout=120, max_retries=2, log_level="warning",
-        )  # fmt: skip
-        app = create_app(settings)
-        with BackgroundServer(app) as proxy:
-            _leave_to_vllm(app)
+        with _proxy(shim.url, vllm_server, read_timeout=120, max_retries=2) as proxy:
             answers = [_events(_stream(proxy.url, path, body)) for path, body in asked]
             metrics = scrape(proxy.url)
     assert shim.stats.stream_faults["truncate"] >= len(PROMPTS)
@@ -179,14 +181,7 @@ def test_a_relayed_answer_that_stalls_ends_at_the_deadline(vllm_server):
     path, body = _bodies(vllm_server.model)[0]
     body = body | {"max_tokens": 48, "return_token_ids": True}
     with FaultShim(vllm_server.url, **stall) as shim:
-        settings = ServerSettings(
-            target_url=shim.url, tokenizer=str(vllm_server.model_dir), drafter="ngram",
-            tree=TreeSettings(budget=8), read_timeout=60, request_timeout=deadline_s,
-            log_level="warning",
-        )  # fmt: skip
-        app = create_app(settings)
-        with BackgroundServer(app) as proxy:
-            _leave_to_vllm(app)
+        with _proxy(shim.url, vllm_server, read_timeout=60, request_timeout=deadline_s) as proxy:
             start = time.monotonic()
             events = _events(_stream(proxy.url, path, body))
             elapsed = time.monotonic() - start
@@ -209,13 +204,7 @@ def test_a_relayed_answer_cut_before_its_usage_still_ends_with_one(vllm_server):
             "paths": ("/v1/completions", "/v1/chat/completions")}  # fmt: skip
     asked = [(path, body) for path, body in _bodies(vllm_server.model) if "stream_options" in body]
     with FaultShim(vllm_server.url, **lose) as shim:
-        settings = ServerSettings(
-            target_url=shim.url, tokenizer=str(vllm_server.model_dir), drafter="ngram",
-            tree=TreeSettings(budget=8), read_timeout=120, log_level="warning",
-        )  # fmt: skip
-        app = create_app(settings)
-        with BackgroundServer(app) as proxy:
-            _leave_to_vllm(app)
+        with _proxy(shim.url, vllm_server, read_timeout=120) as proxy:
             answers = [_events(_stream(proxy.url, path, body)) for path, body in asked]
             metrics = scrape(proxy.url)
     assert asked and shim.stats.stream_faults[LOSE_USAGE] == len(asked)
@@ -239,13 +228,7 @@ def test_handed_over_answers_leave_their_connection_pooled(vllm_server):
     every later hand-over goes on the same connection to vLLM: one closed unread is
     dropped, and each request would pay a new connection on both hosts."""
     with TcpRelay(vllm_server.url) as relay:
-        settings = ServerSettings(
-            target_url=relay.url, tokenizer=str(vllm_server.model_dir), drafter="ngram",
-            tree=TreeSettings(budget=8), log_level="warning",
-        )  # fmt: skip
-        app = create_app(settings)
-        with BackgroundServer(app) as proxy:
-            _leave_to_vllm(app)
+        with _proxy(relay.url, vllm_server) as proxy:
             bodies = _bodies(vllm_server.model)
             _stream(proxy.url, *bodies[0])  # the streams' connection opens
             opened = relay.connections
