@@ -484,10 +484,11 @@ class _StreamIds:
 # What the A/B clock reads from a direct stream's events, found without parsing them
 # (a JSON parse per event costs more than the rest of relaying it): output (a non-empty
 # text, content or reasoning, or a tool call), the finish reason, the usage's
-# completion tokens, and token ids (`"token_ids"`, not `prompt_token_ids`). A quote opens a key only outside strings (inside one every quote
-# is escaped), and a key, not a string value, is followed by a colon: each match is the
-# key's. (Keys of nested objects with other values -- e.g. a logprobs' `content` list,
-# a top logprob's number -- do not match.)
+# completion tokens, and token ids (`"token_ids"`, not `prompt_token_ids`). A quote
+# opens a key only outside strings (inside one every quote is escaped), and a key, not
+# a string value, is followed by a colon: each match is the key's. (Keys of nested
+# objects with other values -- a logprobs' `content` list, a top logprob's number --
+# do not match.)
 _EVENT_FIELDS = re.compile(
     rb'"(?:(?:text|content|reasoning_content)"\s*:\s*"[^"]'
     rb'|tool_calls"\s*:\s*\[\s*\{'
