@@ -209,18 +209,14 @@ class Responder:
                 elif plan.include_usage and not answer.done:
                     # It broke after the last token, before the usage event. (After [DONE]
                     # without one, vLLM sent none: an error event ended the answer.)
-                    names = answer.names()
-                    if names is not None:
-                        plan.writer.id, plan.writer.created = names
+                    _keep_names(plan, answer)
                     usage = usage_body(len(plan.generation.prompt_ids),
                                        len(handed.outcome.tokens), stats)  # fmt: skip
                     yield sse(plan.writer.usage_chunk(usage))
                 yield sse("[DONE]")
                 return
             self.metrics.handed_over.labels("resumed").inc()
-            names = answer.names()  # the client's events so far are vLLM's: keep their names
-            if names is not None:
-                plan.writer.id, plan.writer.created = names
+            _keep_names(plan, answer)
             logger.info(
                 "a relayed answer broke after %d tokens; going on from them",
                 len(handed.outcome.tokens),
@@ -304,3 +300,11 @@ class Responder:
         finally:
             await rounds.aclose()
         yield sse("[DONE]")
+
+
+def _keep_names(plan: Plan, answer: RelayedAnswer) -> None:
+    """The client's events so far are vLLM's: the proxy's own after them keep their id and
+    creation time."""
+    names = answer.names()
+    if names is not None:
+        plan.writer.id, plan.writer.created = names
