@@ -406,9 +406,16 @@ def test_the_older_side_is_remeasured_by_one_request():
     request = other.request(can_plain=True, seeded=False, client_streams=True)
     clock2.now += 2 * HALF_LIFE_S
     request.record(RoundResult(tree_of(SURE_CHAIN), [1, 2], 3, 0.011, 0.0105, 5, 8))
-    assert isinstance(request.decide(tree_of(SURE_CHAIN), position=9, unseen_tokens=3, remaining=64, max_depth=4),
-                      Speculate)  # fmt: skip
-    probe = request.decide(tree_of(SURE_CHAIN), position=12, unseen_tokens=3, remaining=64, max_depth=4)
+    probe = request.decide(tree_of(SURE_CHAIN), position=9, unseen_tokens=3, remaining=64, max_depth=4)
+    assert probe == Plain(SHADOW_EVERY, True, None, "remeasure_plain")
+    assert isinstance(decide(other), Speculate)  # one request re-measures
+    # A request that speculates re-measures plain too, once it is stale again.
+    speculating = other.request(can_plain=True, seeded=False, client_streams=True)
+    assert isinstance(speculating.decide(tree_of(SURE_CHAIN), position=9, unseen_tokens=3,
+                                         remaining=64, max_depth=4), Speculate)  # fmt: skip
+    clock2.now += 2 * HALF_LIFE_S
+    speculating.record(RoundResult(tree_of(SURE_CHAIN), [1, 2], 3, 0.011, 0.0105, 5, 8))
+    probe = speculating.decide(tree_of(SURE_CHAIN), position=12, unseen_tokens=3, remaining=64, max_depth=4)
     assert probe == Plain(SHADOW_EVERY, True, None, "remeasure_plain")
 
 
@@ -552,6 +559,39 @@ def test_a_stream_no_tree_could_beat_is_read_on_without_drafting():
     measured(cheap, clock, call_s=0.02, per_prompt_s=0.001, plain_token_s=0.01)
     doubtful = decide(cheap, tree_of([[0.3, 0.2]] * 4), remaining=512)
     assert isinstance(doubtful, Plain) and doubtful.recheck_after == cheap.shadow_spacing()
+
+
+def test_plain_is_timed_only_where_the_proxy_did_not_draft_beside_it():
+    """Plain's rate is what stepping aside costs. A stream the proxy drafts shadows
+    beside is slower by that drafting (on a host shared with the engine, by the engine's
+    lost CPU too): timed, it would make plain look slow enough that drafting beside it
+    kept seeming worth it. Its shadows teach the calibration; its time teaches nothing.
+    The same stretch read without drafting (one answer) is plain's rate."""
+    clock = Clock()
+    policy = Policy(clock=clock)
+    # Plain at ~133 tokens/s; a full chain all accepted would beat it by the band.
+    measured(policy, clock, call_s=0.023, per_prompt_s=0.001, plain_token_s=0.0075)
+    doubtful = tree_of([[0.3, 0.2]] * 4)
+    rate = policy.stream_rate()
+    assert policy.speculation_ceiling(4) > (1 + BAND) * rate
+    drafting = policy.request(can_plain=True, seeded=False, client_streams=True)
+    decision = drafting.decide(doubtful, position=100, unseen_tokens=1, remaining=512,
+                               max_depth=4)  # fmt: skip
+    assert isinstance(decision, Plain) and decision.recheck_after <= SHADOW_EVERY
+    # The stream it drafted beside ran at 50 tokens/s.
+    drafting.record(PlainTokens([0] * 612, 512, 512 * 0.02, ended=True, rechecks=100,
+                                recheck_seconds=0.1))  # fmt: skip
+    drafting.record(Finished())
+    assert policy.stream_rate() == pytest.approx(rate)
+    looking = decide(policy, doubtful, streams=False, remaining=512)  # one per half-life
+    assert looking.stream and looking.recheck_after <= SHADOW_EVERY
+    one_answer = policy.request(can_plain=True, seeded=False, client_streams=False)
+    decision = one_answer.decide(doubtful, position=100, unseen_tokens=1, remaining=512,
+                                 max_depth=4)  # fmt: skip
+    assert decision == Plain(512, False, None, "plain_faster")
+    one_answer.record(PlainTokens([0] * 612, 512, 512 * 0.02, ended=True))
+    one_answer.record(Finished())
+    assert policy.stream_rate() < 0.5 * rate
 
 
 @pytest.mark.parametrize(("overhead_s", "spacing"), [(0.0, 1), (0.0009, 2), (0.0031, 7), (0.01, 8)])

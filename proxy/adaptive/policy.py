@@ -10,7 +10,7 @@ rule with the numbers that decide it; in short:
   they share the engine's steps);
 * plain generation's rate = the tokens the request still needs over the fitted time of a
   plain stretch that long at the present load (its opening counted unless a stream is
-  already open);
+  already open), timed on stretches with no shadow drafted beside them (`record`);
 * a request changes side only when the other side is faster by BAND;
 * every estimate fades with one half-life (`Policy.half_life_s`), and when one side's
   estimate is a half-life older than the other's, one request re-measures it: two rounds
@@ -365,6 +365,9 @@ class RequestPolicy:
     _decided_on: str | None = None  # the replica serving the request at the last decision
     _counted_on: Policy | None = None  # the replica policy whose in_flight counts it
     _shadows: list[_Shadow] = field(default_factory=list)
+    # The open plain stretch drafts shadows as it goes (`_plain`): it times plain with
+    # the proxy's drafting beside it, not what stepping aside costs (`record`).
+    _drafting: bool = False
     _rechecks_seen: tuple[int, float] = (0, 0.0)  # of the stretch now open
     # (the replica's Policy, its rounds_extra) when the last round was decided, and (the
     # same, the requests then in flight) when the plain stretch began (`_slowed`)
@@ -466,7 +469,7 @@ class RequestPolicy:
         if tree.num_nodes and policy.claim("speculate"):
             self._second_round = tree.num_nodes // 2
             return Speculate(tree.num_nodes, "remeasure_speculation"), ages
-        if self.side == "speculate" and policy.claim("plain"):
+        if not self._stream_open and policy.claim("plain"):
             plain = Plain(min(SHADOW_EVERY, remaining), True, None, "remeasure_plain")
             return plain, ages
         if policy.calls.num_rows == 0:
@@ -514,6 +517,7 @@ class RequestPolicy:
         could_win = ceiling > (1 + BAND) * stream_rate
         streaming = self._stream_open or self.client_streams
         if could_win and (streaming or policy.worth_drafting()):
+            self._drafting = True
             spacing = SHADOW_EVERY if self.remote_text else policy.shadow_spacing()
             return Plain(remaining, True, spacing, reason)
         if not streaming:
@@ -556,7 +560,12 @@ class RequestPolicy:
                 self._stream_open = False
                 self._stretch_from = None
                 self._plain_failed = outcome.failed or outcome.stretch_tokens == 0
-                if not outcome.failed and outcome.stretch_tokens > 0:
+                # Plain's rate is what stepping aside costs. A stretch the proxy drafted
+                # beside is slower by its drafting (on a host shared with the engine, by
+                # more than the drafting's own time): counted, it would make plain look
+                # slow enough that drafting beside it seemed worth it, and so on.
+                drafted, self._drafting = self._drafting, False
+                if not outcome.failed and outcome.stretch_tokens > 0 and not drafted:
                     first = outcome.first
                     if first is not None and 0 < first[0] < outcome.stretch_tokens:
                         seconds = first[1] - (self._first_slowed or 0.0)
