@@ -294,9 +294,16 @@ def test_served_default_policy_is_lossless_and_exposes_its_costs(vllm_server, tm
     assert any(sample.labels["decision"] == "plain" for sample in decisions), decisions
     assert any(sample.labels["decision"] == "speculate" for sample in decisions), decisions
     records = [json.loads(line) for line in trace.read_text().splitlines()]
+    decided = [record for record in records if "decision" in record]
     total = metrics.total("ddtree_policy_decisions_total")
-    assert len(records) == total  # one trace line per counted decision
-    assert {"t", "request", "decision", "reason", "nodes", "remaining"} <= records[0].keys()
+    assert len(decided) == total  # one trace line per counted decision
+    assert {"t", "request", "decision", "reason", "nodes", "remaining"} <= decided[0].keys()
+    # ... and one per timed round or plain stretch, beside what the fit predicted for it.
+    timed = [record for record in records if "outcome" in record]
+    assert len(timed) == len(records) - len(decided)
+    assert {record["outcome"] for record in timed} == {"round", "plain"}
+    assert all(record["tokens"] >= 1 and record["seconds"] > 0 for record in timed), timed
+    assert any(record["predicted_s"] > 0 for record in timed)
     switches = [r for r in caplog.records if r.name == "ddtree_proxy.policy"]
     assert switches and all("->" in r.getMessage() for r in switches)
     # The drafts seen so far (verified or shadow) are on the calibration table.

@@ -675,9 +675,29 @@ def test_every_decision_is_counted_and_traced():
     measured(policy, clock, call_s=0.02, per_prompt_s=0.001, plain_token_s=0.02)
     decide(policy)
     assert policy.decisions[("plain", "plain_unmeasured")] == 1
-    assert sum(policy.decisions.values()) == len(records) == 2
-    assert {"t", "request", "decision", "reason", "remaining"} <= set(records[-1])
-    assert records[-1]["spec_rate"] > 0 and records[-1]["plain_rate"] > 0
+    decided = [record for record in records if "decision" in record]  # not `outcome`s
+    assert sum(policy.decisions.values()) == len(decided) == 2
+    assert {"t", "request", "decision", "reason", "remaining"} <= set(decided[-1])
+    assert decided[-1]["spec_rate"] > 0 and decided[-1]["plain_rate"] > 0
+
+
+def test_every_timed_round_and_stretch_is_traced_beside_its_prediction():
+    """Beside the decisions, the trace has each round and plain stretch as timed and what
+    the estimates predicted for it before they learnt from it: a reader can check them."""
+    clock = Clock()
+    records = []
+    policy = Policy(clock=clock, trace=records.append)
+    measured(policy, clock, call_s=0.02, per_prompt_s=0.001, plain_token_s=0.02)
+    assert not any("decision" in r for r in records)  # `measured` records, never decides
+    rounds = [r for r in records if r["outcome"] == "round"]
+    stretches = [r for r in records if r["outcome"] == "plain"]
+    assert [(r["prompts"], r["tokens"]) for r in rounds] == [(1, 5), (5, 5), (9, 5)]
+    assert [r["seconds"] for r in rounds] == pytest.approx([0.021, 0.025, 0.029])
+    assert [(r["tokens"], r["seconds"]) for r in stretches] == [(8, 0.16), (64, 1.28)]
+    assert rounds[0]["predicted_s"] == stretches[0]["predicted_s"] == 0  # nothing timed yet
+    # Two call sizes fix the line: the third call is predicted as it then took.
+    assert rounds[2]["predicted_s"] == pytest.approx(0.029, rel=0.01)
+    assert all(r["slowed"] == 0 for r in records)  # no other request's round ran beside
 
 
 def test_a_remeasuring_round_is_traced_with_the_nodes_it_verifies():

@@ -536,6 +536,10 @@ class RequestPolicy:
             if self.replica() == self._decided_on:
                 prompts, tokens = outcome.num_prompts, outcome.computed_tokens
                 call_seconds = outcome.call_seconds - slowed
+                if policy.trace is not None:
+                    self._trace_outcome("round", outcome.num_tokens, outcome.call_seconds, slowed,
+                                        policy.calls.num_rows and policy.calls.seconds(prompts, tokens),
+                                        prompts=prompts, computed_tokens=tokens)  # fmt: skip
                 if call_seconds > 0:
                     policy.calls.observe(prompts, tokens, call_seconds)
                     policy.note_measured("speculate")
@@ -565,6 +569,12 @@ class RequestPolicy:
                 # more than the drafting's own time): counted, it would make plain look
                 # slow enough that drafting beside it seemed worth it, and so on.
                 drafted, self._drafting = self._drafting, False
+                if policy.trace is not None:
+                    num = outcome.stretch_tokens
+                    plain = policy.plain
+                    predicted = plain.num_rows and plain.opening() + plain.per_token(load) * num
+                    self._trace_outcome("plain", num, outcome.seconds, slowed, predicted,
+                                        load=load, drafted=drafted, failed=outcome.failed)  # fmt: skip
                 if not outcome.failed and outcome.stretch_tokens > 0 and not drafted:
                     first = outcome.first
                     if first is not None and 0 < first[0] < outcome.stretch_tokens:
@@ -579,6 +589,16 @@ class RequestPolicy:
             if self._counted_on is not None:
                 self._counted_on.leave()
                 self._counted_on = None
+
+    def _trace_outcome(
+        self, kind: str, tokens: int, seconds: float, slowed: float, predicted: float, **more: Any
+    ) -> None:
+        """A trace line for a timed round or plain stretch, next to what the estimates
+        predicted for it before they learnt from it (0 before any was timed)."""
+        policy = self.policy
+        policy.trace({"t": policy.clock(), "request": self.request_id, "outcome": kind,
+                      "tokens": tokens, "seconds": seconds, "slowed": slowed,
+                      "predicted_s": float(predicted), **more})  # fmt: skip
 
     def _slowed(self, began: tuple[Policy, float] | tuple[Policy, float, int] | None) -> float:
         """Seconds that other requests' rounds added to a call that began at `began`
