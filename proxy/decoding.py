@@ -302,8 +302,9 @@ async def stream_generate(
                 whole = request.hand_over and _whole(decision, output.remaining)
                 if whole and last_kind is None and session.relay is not None:
                     handed = HandOver(session.relay, time.perf_counter())
-                    stats = _plain_stats(0, 0.0, len(committed))
-                    yield Delta([], "", round=stats, hand_over=handed)
+                    sent_tokens = len(committed)  # the prompt: the relay's call sends it
+                    # No call counted yet: a relay that does not open sent nothing.
+                    yield Delta([], "", round=_plain_stats(0, 0.0, 0), hand_over=handed)
                     came = handed.outcome
                     tokens = [] if came is None else came.tokens
                     committed.extend(tokens)
@@ -323,7 +324,7 @@ async def stream_generate(
                     if came is None:
                         continue  # nothing went out: a round follows (`plain_failed`)
                     last_kind, unseen_tokens = "plain", 1
-                    stats = _plain_stats(len(tokens), came.seconds, 0)
+                    stats = _plain_stats(len(tokens), came.seconds, sent_tokens)
                     if came.complete:
                         finish = came.finish_reason
                         yield Delta(tokens, "", finish_reason=finish, round=stats, relayed=True)
@@ -397,7 +398,7 @@ def _whole(decision: Plain, remaining: int) -> bool:
 
 
 def _plain_stats(num_tokens: int, seconds: float, prompt_tokens: int) -> RoundStats:
-    """A relayed answer's part of the stats: its call (`prompt_tokens` sent), then its
+    """A relayed answer's stats: its call (`prompt_tokens` sent; 0: no call) and its
     tokens."""
     return RoundStats(
         num_tokens=num_tokens,

@@ -70,10 +70,12 @@ class FaultShim:
         seed: int = 0,
         only_streams: bool = False,
         record: bool = False,
+        match: bytes | None = None,
     ) -> None:
         """`rate`: the share of calls to `paths` that get one of `faults` (drawn with
-        `seed`); `only_streams`: only calls whose body asks for a stream; `record`: keep
-        every relayed call in `stats.relayed`."""
+        `seed`); `only_streams`: only calls whose body asks for a stream; `match`: only
+        calls whose body holds these bytes; `record`: keep every relayed call in
+        `stats.relayed`."""
         unknown = set(faults) - {*FAULTS, STALL, LOSE_USAGE}
         if unknown:
             valid = (*FAULTS, STALL, LOSE_USAGE)
@@ -85,6 +87,7 @@ class FaultShim:
         self.delay_s = delay_s
         self.only_streams = only_streams
         self.record = record
+        self.match = match
         self.stats = ShimStats()
         self._rng = random.Random(seed)
         self._loop = asyncio.new_event_loop()
@@ -163,6 +166,7 @@ class FaultShim:
         fault = None
         streaming = _streaming(body)
         eligible = route in self.paths and (streaming or not self.only_streams)
+        eligible = eligible and (self.match is None or self.match in body)
         if eligible and self._rng.random() < self.rate:
             fault = self._rng.choice(self.faults)
             self.stats.faults[fault] += 1

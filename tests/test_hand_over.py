@@ -172,6 +172,30 @@ def test_a_relayed_answer_that_breaks_goes_on_from_its_tokens(vllm_server):
         assert len({(event["id"], event["created"]) for event in events[:-1]}) == 1, body
 
 
+def test_a_relay_that_does_not_open_is_served_by_the_loop_and_not_counted(vllm_server):
+    """vLLM answers the handed-over request itself with 503s (its retries too): nothing
+    went out, so the loop serves the request -- a round, then a plain stream of its own
+    -- and the output is vLLM's; the usage counts the plain calls that were made, not
+    the relay that never opened."""
+    path, body = _bodies(vllm_server.model)[2]  # a completion, with a usage event
+    body = body | {"request_id": "never-opens"}
+    refuse = {"rate": 1.0, "faults": ("http503",), "only_streams": True, "record": True,
+              "match": b'"never-opens"'}  # fmt: skip
+    with FaultShim(vllm_server.url, **refuse) as shim:
+        with _proxy(shim.url, vllm_server, read_timeout=120) as proxy:
+            *answer, usage, done = _events(_stream(proxy.url, path, body))
+            metrics = scrape(proxy.url)
+    assert shim.stats.stream_faults["http503"] >= 1
+    assert metrics.get(f'{HANDED_OVER}{{outcome="unopened"}}') == 1
+    direct = _events(_stream(vllm_server.url, path, body))
+    assert done == "[DONE]" and _output(answer) == _output(direct[:-2])
+    streams = [call for route, call, _ in shim.stats.relayed
+               if route == path and json.loads(call).get("stream")]  # fmt: skip
+    stats = usage["usage"]["ddtree"]
+    assert streams and stats["plain_calls"] == len(streams), (stats, len(streams))
+    assert stats["upstream_calls"] >= 1  # the round after the relay that did not open
+
+
 def test_a_relayed_answer_that_stalls_ends_at_the_deadline(vllm_server):
     """vLLM stops mid-answer (the fault shim sends the first half of its answer, then
     nothing): the client has vLLM's first events, then the deadline's error event and
