@@ -21,7 +21,6 @@ from pydantic import BaseModel, ConfigDict, Field
 from proxy.adaptive.policy import (
     Decision,
     Finished,
-    LoadFall,
     Plain,
     PlainTokens,
     Policy,
@@ -341,8 +340,7 @@ async def stream_generate(
                     stretch.rechecks += 1
                     stretch.recheck_seconds += time.perf_counter() - step_started
                 pieces = stretch.read(
-                    decision.recheck_after, decision.until_fall, committed, draft_session,
-                    output, decisions,
+                    decision.recheck_after, committed, draft_session, output, decisions,
                     per_event=request.stream and not request.remote_text,
                     max_model_len=target.max_model_len,
                     switched=last_kind == "speculative",
@@ -433,7 +431,6 @@ class _PlainStretch:
     async def read(
         self,
         recheck_after: int | None,
-        until_fall: LoadFall | None,
         committed: list[int],
         draft_session: DraftSession | None,
         output: OutputProcessor,
@@ -443,17 +440,15 @@ class _PlainStretch:
         max_model_len: int,
         switched: bool,
     ) -> AsyncIterator[Delta]:
-        """Tokens until `recheck_after` more have come (None: until the call ends), the
-        requests in flight fall to `until_fall` (a decision is due) or the output
-        finishes, appended to `committed` and handed to the output processor:
+        """Tokens until `recheck_after` more have come (None: until the call ends) or the
+        output finishes, appended to `committed` and handed to the output processor:
         event by event when `per_event` (a streaming client whose text is decoded
         here), else in one piece (fewer detokenizations)."""
         started = last = time.perf_counter()
         got = 0
         pending: list[int] = []
         pending_logprobs: list[float] = []
-        due = False  # a decision is due: `recheck_after` tokens came, or the load fell
-        while not self.ended and not due:
+        while not self.ended and (recheck_after is None or got < recheck_after):
             try:
                 tokens, logprobs = await anext(self.events)
             except StopAsyncIteration:
@@ -479,10 +474,9 @@ class _PlainStretch:
                 pending_logprobs.extend(logprobs or ())
                 last = time.perf_counter()
             decisions.record(self._progress(committed))
-            due = recheck_after is not None and got >= recheck_after
-            due |= until_fall is not None and until_fall.fallen
             # A piece only the recheck cuts is part of the recheck's host time.
-            recheck_only = due and not (per_event or self.ended)
+            recheck_only = recheck_after is not None and got >= recheck_after
+            recheck_only &= not (per_event or self.ended)
             if pending and (per_event or self.ended or recheck_only):
                 cut = time.perf_counter()
                 piece = await self._piece(

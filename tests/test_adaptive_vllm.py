@@ -17,7 +17,7 @@ from metrics import scrape
 from scipy.stats import chi2_contingency
 from tcp_relay import TcpRelay
 
-from proxy.adaptive.policy import LoadFall, Plain, PlainTokens, Policy, Speculate
+from proxy.adaptive.policy import Plain, Policy, Speculate
 from proxy.backend.vllm import VLLMTarget
 from proxy.decoding import GenerationRequest, TreeSettings, generate
 from proxy.drafter import load_drafter
@@ -78,40 +78,6 @@ class PlainOnly(Policy):
         return None
 
 
-class LoadFalls(Policy):
-    """A plain stream for the whole output, watched for a fall in load (`LoadFall`), which
-    the script sets once `after` tokens have come, as the policy sets it when requests
-    end; from the next decision on, rounds. Records each decision's position."""
-
-    def __init__(self, after: int):
-        super().__init__()
-        self.after = after
-        self.positions: list[list[int]] = []
-
-    def request(self, *, can_plain: bool, seeded: bool, client_streams: bool, replica=None,
-                remote_text=False):
-        assert can_plain
-        self.positions.append([])
-        return LoadFallsRequest(self.after, self.positions[-1])
-
-
-class LoadFallsRequest:
-    def __init__(self, after: int, positions: list[int]):
-        self.after, self.positions = after, positions
-        self.fall: LoadFall | None = None
-
-    def decide(self, tree, *, position: int, unseen_tokens: int, remaining: int, max_depth: int):
-        self.positions.append(position)
-        if self.fall is None:
-            self.fall = LoadFall(1)
-            return Plain(remaining, True, None, "scripted", self.fall)
-        return Speculate(tree.num_nodes, "scripted")
-
-    def record(self, outcome) -> None:
-        if isinstance(outcome, PlainTokens) and self.fall is not None:
-            self.fall.fallen |= outcome.stretch_tokens >= self.after
-
-
 def _drafter(name: str, model_dir) -> object:
     config = json.loads((model_dir / "config.json").read_text())
     info = TargetInfo(
@@ -169,41 +135,6 @@ def test_greedy_output_equals_vllm_across_switches(
         assert stats.switches_to_plain > 0 and stats.switches_to_speculation > 0
         assert stats.plain_tokens + sum(stats.acceptance_lengths) == max_tokens
         assert stats.upstream_calls == stats.rounds  # greedy: one verification call a round
-
-
-@pytest.mark.parametrize("stream", [True, False])
-def test_a_stream_watched_for_a_fall_in_load_re_decides_when_it_falls(vllm_server, stream):
-    """A plain stream read to the end unless the load falls: when it falls the loop asks
-    again at once (here: rounds to the end), the stream is closed, and the output is
-    still vLLM's -- a streaming client's event by event, or in one piece."""
-    prompts = [[1 + (i * 29 + j * 7) % 240 for j in range(16 + 9 * i)] for i in range(3)]
-    max_tokens, after = 40, 10
-    expected = vllm_server.complete_greedy(prompts, max_tokens)
-    drafter = _drafter("ngram", vllm_server.model_dir)
-    state = LoadFalls(after)
-
-    async def body():
-        target = await VLLMTarget.connect(vllm_server.url, model_dir=vllm_server.model_dir)
-        try:
-            tree = TreeSettings(budget=8, depth=4)
-            return [
-                await generate(
-                    target, drafter,
-                    GenerationRequest(p, max_tokens, tree=tree, ignore_eos=True, stream=stream),
-                    _detokenize, state,
-                )  # fmt: skip
-                for p in prompts
-            ]
-        finally:
-            await target.aclose()
-
-    results = run(body())
-    assert [r.token_ids for r in results] == expected
-    for prompt, positions, result in zip(prompts, state.positions, results, strict=True):
-        # The second decision came right after the fall, long before the stream's end.
-        assert positions[0] == len(prompt)
-        assert after <= positions[1] - len(prompt) < max_tokens - 10, positions
-        assert result.stats.switches_to_speculation == 1 and result.stats.rounds > 0
 
 
 def test_unseeded_sampling_with_switches_matches_vllm(vllm_server):

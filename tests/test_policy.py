@@ -561,41 +561,6 @@ def test_a_stream_no_tree_could_beat_is_read_on_without_drafting():
     assert isinstance(doubtful, Plain) and doubtful.recheck_after == cheap.shadow_spacing()
 
 
-def test_a_stream_no_tree_could_beat_re_decides_when_the_load_falls_to_where_one_could():
-    """Rounds that pay alone lose with 8 requests sharing the steps: a stream is read on
-    a half-life then -- or until the requests in flight fall to where a full chain all
-    accepted would beat it by BAND (the load is known at once; the estimates are not
-    stale), when a decision is due again. A stream read whole from a request's first
-    token is handed over: nothing watches it."""
-    clock = Clock()
-    policy = Policy(clock=clock)
-    measured(policy, clock, call_s=0.02, per_prompt_s=0.002, plain_token_s=0.015)
-    others = [policy.request(can_plain=True, seeded=False, client_streams=True) for _ in range(7)]
-    handed = policy.request(can_plain=True, seeded=False, client_streams=True)
-    whole = handed.decide(tree_of(SURE_CHAIN), position=100, unseen_tokens=1, remaining=64,
-                          max_depth=4)  # fmt: skip
-    assert whole.reason == "plain_faster" and whole.until_fall is None
-    handed.record(Finished())
-    stream = policy.request(can_plain=True, seeded=False, client_streams=True)
-    long = stream.decide(tree_of(SURE_CHAIN), position=100, unseen_tokens=1, remaining=2000,
-                         max_depth=4)  # fmt: skip
-    assert isinstance(long, Plain) and long.reason == "plain_faster"
-    assert long.recheck_after == pytest.approx(HALF_LIFE_S / 0.015, rel=0.05)
-    fall = long.until_fall
-    assert fall is not None
-    seen = []
-    for other in others:
-        could = policy.speculation_ceiling(4) > (1 + BAND) * policy.stream_rate()
-        assert fall.fallen == could
-        seen.append(could)
-        other.record(Finished())
-    assert not seen[0] and any(seen)  # it fell while others were still in flight
-    again = stream.decide(tree_of(SURE_CHAIN), position=150, unseen_tokens=1, remaining=1950,
-                          max_depth=4)  # fmt: skip
-    assert isinstance(again, Speculate)
-    stream.record(Finished())
-
-
 def test_plain_is_timed_only_where_the_proxy_did_not_draft_beside_it():
     """Plain's rate is what stepping aside costs. A stream the proxy drafts shadows
     beside is slower by that drafting (on a host shared with the engine, by the engine's

@@ -26,8 +26,7 @@ a plain stretch that broke (or gave nothing), one round follows (rounds are retr
 
 While plain, the drafter proposes a tree every `shadow_spacing` tokens: the policy decides
 on it, and if it stays plain, walks it along the tokens that come (a *shadow* round),
-which keeps the calibration current. A stream no tree could beat is read on a half-life,
-or until the requests in flight fall to where one could (`Policy.watch_fall`).
+which keeps the calibration current.
 
 The decoding loop asks `RequestPolicy.decide` before each step and tells
 `RequestPolicy.record` what happened; it keeps no policy state.
@@ -91,18 +90,6 @@ class Plain:
     # stays open unless it says Speculate); None: not before this plain stretch ends.
     recheck_after: int | None
     reason: str
-    # A stream read on a half-life because no tree could beat it at the present load:
-    # the loop asks `decide` again as soon as the requests in flight fall to where one
-    # could (`LoadFall.fallen`). None: no fall would change the decision.
-    until_fall: LoadFall | None = None
-
-
-class LoadFall:
-    """Set by the policy when the requests in flight on its replica fall to `at`."""
-
-    def __init__(self, at: int) -> None:
-        self.at = at
-        self.fallen = False
 
 
 Decision = Speculate | Plain
@@ -190,7 +177,6 @@ class Policy:
         self._measured = {"speculate": -float("inf"), "plain": -float("inf")}
         self._next_request = 0
         self.in_flight = 0  # requests on this target begun and not Finished
-        self.falls: list[LoadFall] = []  # the plain streams' watches (`watch_fall`)
         self._busy_s = 0.0  # busy time before the present busy spell
         self._busy_since: float | None = None  # clock when in_flight last left 0
         # Several upstream replicas: one policy each (their costs differ), by replica name.
@@ -235,16 +221,14 @@ class Policy:
         not processed; `factor`: the request's own acceptance, `RequestAcceptance`)."""
         return round_estimates(tree, self.calibration, unseen_tokens, self.round_seconds, factor)[1]
 
-    def round_seconds(
-        self, num_prompts: np.ndarray, computed_tokens: np.ndarray, in_flight: int | None = None
-    ) -> np.ndarray:
+    def round_seconds(self, num_prompts: np.ndarray, computed_tokens: np.ndarray) -> np.ndarray:
         """Predicted seconds of a round: its call, the host's overhead, and what its
-        extra work costs the other requests in flight (now, or `in_flight`). They share
-        the engine's steps, so each waits for what the round asks beyond a one-prompt
-        call (its other prompts and their tokens) -- time the round takes from the
-        server, not only from its own request."""
+        extra work costs the other requests in flight. They share the engine's steps, so
+        each waits for what the round asks beyond a one-prompt call (its other prompts
+        and their tokens) -- time the round takes from the server, not only from its
+        own request."""
         prompts, tokens = np.asarray(num_prompts), np.asarray(computed_tokens)
-        others = max(0, (self.in_flight if in_flight is None else in_flight) - 1)
+        others = max(0, self.in_flight - 1)
         extra = self.round_extra(prompts, tokens)
         return self.calls.seconds(prompts, tokens) + others * extra + (self.overhead.ratio() or 0.0)
 
@@ -254,27 +238,14 @@ class Policy:
         per_prompt = np.asarray(computed_tokens) / np.asarray(num_prompts)
         return self.calls.seconds(num_prompts, computed_tokens) - self.calls.seconds(1, per_prompt)
 
-    def speculation_ceiling(self, max_depth: int, in_flight: int | None = None) -> float:
+    def speculation_ceiling(self, max_depth: int) -> float:
         """Tokens per second of a round in which a chain of `max_depth` nodes is all
-        accepted, with the requests in flight now (or `in_flight`): no tree of that
-        depth does better (a round gives at most max_depth + 1 tokens and verifies at
-        least max_depth + 1 prompts)."""
+        accepted: no tree of that depth does better (a round gives at most max_depth + 1
+        tokens and verifies at least max_depth + 1 prompts)."""
         num_prompts = max_depth + 1
         computed = num_prompts + max_depth * (max_depth + 1) // 2  # one unseen token each
-        seconds = float(self.round_seconds(np.asarray(num_prompts), np.asarray(computed), in_flight))
+        seconds = float(self.round_seconds(np.asarray(num_prompts), np.asarray(computed)))
         return num_prompts / seconds if seconds > 0 else float("inf")
-
-    def watch_fall(self, max_depth: int) -> LoadFall | None:
-        """For a stream no tree could beat by BAND at the present load: the most requests
-        in flight at which one could, watched (`leave` sets it when they fall to it);
-        None if none below the present load could."""
-        for load in range(self.in_flight - 1, 0, -1):
-            stream_rate = self.stream_rate(load)
-            if self.speculation_ceiling(max_depth, load) > (1 + BAND) * stream_rate:
-                fall = LoadFall(load)
-                self.falls.append(fall)
-                return fall
-        return None
 
     def plain_rate(self, remaining: int, stream_open: bool) -> float:
         """Predicted tokens per second of plain generation for `remaining` tokens (an open
@@ -284,10 +255,9 @@ class Policy:
         seconds = self.plain.opening() + self.plain.per_token(self.in_flight) * remaining
         return float(remaining / seconds) if seconds > 0 else float("inf")
 
-    def stream_rate(self, in_flight: int | None = None) -> float:
-        """Predicted tokens per second of an open plain stream, at the present load (or
-        with `in_flight` requests)."""
-        per_token = self.plain.per_token(self.in_flight if in_flight is None else in_flight)
+    def stream_rate(self) -> float:
+        """Predicted tokens per second of an open plain stream, at the present load."""
+        per_token = self.plain.per_token(self.in_flight)
         return 1.0 / per_token if per_token > 0 else float("inf")
 
     def shadow_spacing(self) -> int:
@@ -325,10 +295,6 @@ class Policy:
     def leave(self) -> None:
         """A request here has finished (or moved to another replica)."""
         self.in_flight -= 1
-        if self.falls:
-            for fall in self.falls:
-                fall.fallen = self.in_flight <= fall.at
-            self.falls = [fall for fall in self.falls if not fall.fallen]
         if self.in_flight == 0 and self._busy_since is not None:
             self._busy_s += self.clock() - self._busy_since
             self._busy_since = None
@@ -409,8 +375,6 @@ class RequestPolicy:
     _round_from: tuple[Policy, float] | None = None
     _first_slowed: float | None = None  # what others' rounds added by the first piece
     _acceptance: RequestAcceptance = field(default_factory=RequestAcceptance)
-    _first: bool = True  # no decision taken yet: a plain stream may be handed over
-    _fall: tuple[Policy, LoadFall] | None = None  # the open stream's watch, where kept
 
     def __post_init__(self) -> None:
         self.side = self.policy.prevailing
@@ -444,9 +408,7 @@ class RequestPolicy:
         has not processed, the tokens the request may still produce, and the depth the
         drafter may reach (the tree just drafted may be shallower)."""
         self._count_in_flight()
-        self._forget_fall()
         decision, numbers = self._decide(tree, unseen_tokens, remaining, max_depth)
-        self._first = False
         policy = self.policy
         self._decided_on = self.replica()
         kind = "plain" if isinstance(decision, Plain) else "speculate"
@@ -532,7 +494,7 @@ class RequestPolicy:
             go_plain = not spec_rate > (1 + BAND) * plain_rate
         if go_plain:
             numbers["ceiling"] = ceiling = policy.speculation_ceiling(max_depth)
-            return self._plain(remaining, "plain_faster", ceiling, max_depth), numbers
+            return self._plain(remaining, "plain_faster", ceiling), numbers
         policy.speculated_at = policy.busy_time()
         return Speculate(best, "speculation_faster"), numbers
 
@@ -542,18 +504,14 @@ class RequestPolicy:
         ages = {side: now - self.policy.measured_at(side) for side in ("speculate", "plain")}
         return {f"{side}_age_s": None if math.isinf(age) else age for side, age in ages.items()}
 
-    def _plain(
-        self, remaining: int, reason: str, ceiling: float = float("inf"), max_depth: int = 0
-    ) -> Plain:
-        """Plain generation; `ceiling`: the fastest speculation could be (unknown: inf) at
-        `max_depth`. A stream, read `shadow_spacing` tokens at a time, while a tree could
-        still beat it by BAND (this tree lost, a later one may not); else a half-life's
-        worth of tokens at a time (the estimates are stale by then), or until the requests
-        in flight fall to where a tree could (`Policy.watch_fall`; not for a stream read
-        whole from the request's first token: it is handed over). For a client that
-        does not stream, one answer -- it cannot be closed early, but costs both hosts
-        one event where a stream costs one per token -- unless a tree could win and
-        trees have lately won (`Policy.worth_drafting`)."""
+    def _plain(self, remaining: int, reason: str, ceiling: float = float("inf")) -> Plain:
+        """Plain generation; `ceiling`: the fastest speculation could be (unknown: inf).
+        A stream, read `shadow_spacing` tokens at a time, while a tree could still beat it by
+        BAND (this tree lost, a later one may not); else a half-life's worth of tokens at
+        a time (the estimates are stale by then). For a client that does not stream, one
+        answer -- it cannot be closed early, but costs both hosts one event where a
+        stream costs one per token -- unless a tree could win and trees have lately won
+        (`Policy.worth_drafting`)."""
         policy = self.policy
         stream_rate = policy.stream_rate()
         could_win = ceiling > (1 + BAND) * stream_rate
@@ -567,12 +525,7 @@ class RequestPolicy:
         if math.isinf(stream_rate):  # never measured: no spacing to go by
             return Plain(remaining, True, None, reason)
         recheck = max(SHADOW_EVERY, int(policy.half_life_s * stream_rate))
-        if self._first and recheck >= remaining:
-            return Plain(remaining, True, recheck, reason)
-        fall = policy.watch_fall(max_depth)
-        if fall is not None:
-            self._fall = (policy, fall)
-        return Plain(remaining, True, recheck, reason, fall)
+        return Plain(remaining, True, recheck, reason)
 
     def record(self, outcome: Outcome) -> None:
         policy = self.policy
@@ -633,17 +586,9 @@ class RequestPolicy:
                         policy.note_measured("plain")
         else:
             self._shadows = []
-            self._forget_fall()
             if self._counted_on is not None:
                 self._counted_on.leave()
                 self._counted_on = None
-
-    def _forget_fall(self) -> None:
-        """The last decision's watch is over (a new decision, or the request's end)."""
-        if self._fall is not None:
-            policy, fall = self._fall
-            policy.falls = [kept for kept in policy.falls if kept is not fall]
-            self._fall = None
 
     def _trace_outcome(
         self, kind: str, tokens: int, seconds: float, slowed: float, predicted: float, **more: Any
