@@ -432,10 +432,8 @@ class RequestPolicy:
                 numbers |= {"stream": decision.stream, "recheck_after": decision.recheck_after}
             else:
                 numbers["best_nodes"] = decision.num_nodes
-            policy.trace({"t": policy.clock(), "request": self.request_id, "decision": kind,
-                          "reason": decision.reason, "nodes": tree.num_nodes,
-                          "remaining": remaining, "in_flight": policy.in_flight,
-                          **numbers})  # fmt: skip
+            self._trace(decision=kind, reason=decision.reason, nodes=tree.num_nodes,
+                        remaining=remaining, in_flight=policy.in_flight, **numbers)
         return decision
 
     def _decide(
@@ -537,9 +535,11 @@ class RequestPolicy:
                 prompts, tokens = outcome.num_prompts, outcome.computed_tokens
                 call_seconds = outcome.call_seconds - slowed
                 if policy.trace is not None:
-                    self._trace_outcome("round", outcome.num_tokens, outcome.call_seconds, slowed,
-                                        policy.calls.num_rows and policy.calls.seconds(prompts, tokens),
-                                        prompts=prompts, computed_tokens=tokens)  # fmt: skip
+                    predicted = policy.calls.num_rows and policy.calls.seconds(prompts, tokens)
+                    self._trace(outcome="round", tokens=outcome.num_tokens,
+                                seconds=outcome.call_seconds, slowed=slowed,
+                                predicted_s=float(predicted), prompts=prompts,
+                                computed_tokens=tokens)  # fmt: skip
                 if call_seconds > 0:
                     policy.calls.observe(prompts, tokens, call_seconds)
                     policy.note_measured("speculate")
@@ -573,8 +573,9 @@ class RequestPolicy:
                     num = outcome.stretch_tokens
                     plain = policy.plain
                     predicted = plain.num_rows and plain.opening() + plain.per_token(load) * num
-                    self._trace_outcome("plain", num, outcome.seconds, slowed, predicted,
-                                        load=load, drafted=drafted, failed=outcome.failed)  # fmt: skip
+                    self._trace(outcome="plain", tokens=num, seconds=outcome.seconds,
+                                slowed=slowed, predicted_s=float(predicted), load=load,
+                                drafted=drafted, failed=outcome.failed)  # fmt: skip
                 if not outcome.failed and outcome.stretch_tokens > 0 and not drafted:
                     first = outcome.first
                     if first is not None and 0 < first[0] < outcome.stretch_tokens:
@@ -590,15 +591,13 @@ class RequestPolicy:
                 self._counted_on.leave()
                 self._counted_on = None
 
-    def _trace_outcome(
-        self, kind: str, tokens: int, seconds: float, slowed: float, predicted: float, **more: Any
-    ) -> None:
-        """A trace line for a timed round or plain stretch, next to what the estimates
-        predicted for it before they learnt from it (0 before any was timed)."""
+    def _trace(self, **fields: Any) -> None:
+        """One trace line of this request: a decision, or a timed round or plain stretch
+        beside what the estimates predicted for it before they learnt from it (0 before
+        any was timed)."""
         policy = self.policy
-        policy.trace({"t": policy.clock(), "request": self.request_id, "outcome": kind,
-                      "tokens": tokens, "seconds": seconds, "slowed": slowed,
-                      "predicted_s": float(predicted), **more})  # fmt: skip
+        assert policy.trace is not None
+        policy.trace({"t": policy.clock(), "request": self.request_id, **fields})
 
     def _slowed(self, began: tuple[Policy, float] | tuple[Policy, float, int] | None) -> float:
         """Seconds that other requests' rounds added to a call that began at `began`
