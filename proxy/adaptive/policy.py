@@ -570,9 +570,7 @@ class RequestPolicy:
                 # Plain's rate is what stepping aside costs. A stretch the proxy drafted
                 # beside is slower by its drafting (on a host shared with the engine, by
                 # more than the drafting's own time): counted, it would make plain look
-                # slow enough that drafting beside it seemed worth it, and so on. Its
-                # first piece came before any drafting beside it: it times the opening,
-                # which answers of one length cannot tell from the tokens.
+                # slow enough that drafting beside it seemed worth it, and so on.
                 drafted, self._drafting = self._drafting, False
                 if policy.trace is not None:
                     num = outcome.stretch_tokens
@@ -581,13 +579,13 @@ class RequestPolicy:
                     self._trace(outcome="plain", tokens=num, seconds=outcome.seconds,
                                 slowed=slowed, predicted_s=float(predicted), load=load,
                                 drafted=drafted, failed=outcome.failed)  # fmt: skip
-                if not outcome.failed and outcome.stretch_tokens > 0:
+                if not outcome.failed and outcome.stretch_tokens > 0 and not drafted:
                     first = outcome.first
                     if first is not None and 0 < first[0] < outcome.stretch_tokens:
                         seconds = first[1] - (self._first_slowed or 0.0)
                         if seconds > 0:
                             policy.plain.observe(first[0], load, seconds)
-                    if not drafted and outcome.seconds - slowed > 0:
+                    if outcome.seconds - slowed > 0:
                         policy.plain.observe(outcome.stretch_tokens, load, outcome.seconds - slowed)
                         policy.note_measured("plain")
         else:
