@@ -740,26 +740,3 @@ def test_a_stretched_clock_with_a_half_life_stretched_alike_decides_the_same():
     assert {d.reason for d in on_gpu} >= {"plain_faster", "remeasure_speculation"}
     assert scripted_decisions(12.0, 12 * HALF_LIFE_S) == on_gpu
     assert scripted_decisions(12.0, HALF_LIFE_S) != on_gpu
-
-
-def test_answers_of_one_length_do_not_hide_what_a_tree_could_win():
-    """Plain timed only as one-answer stretches of one length cannot tell a stream's
-    opening from its tokens (the fit charges it all to the opening: a stream not yet
-    open would look free). What a tree could win is judged against plain's rate for the
-    rest of the request, opening counted -- the rate the decision compared: a client that
-    does not stream, whose drafter had nothing at its prompt, drafts while trees win."""
-    clock = Clock()
-    policy = Policy(clock=clock)
-    request = policy.request(can_plain=True, seeded=False, client_streams=False)
-    tree, chain = tree_of(SURE_CHAIN), [1, 2, 3, 4]
-    for num_prompts in (1, 5, 9):  # rounds of 5 tokens in about 0.25 s
-        seconds = 0.25 + 0.001 * num_prompts
-        request.record(RoundResult(tree, chain, 5, seconds, seconds, num_prompts, num_prompts))
-    for _ in range(3):  # 64-token answers at 5 tokens a second
-        request.record(PlainTokens([0] * 64, 64, 12.8, ended=True))
-    request.record(Finished())
-    assert policy.plain_rate(64, stream_open=False) == pytest.approx(5.0)
-    assert isinstance(decide(policy, streams=False), Speculate)  # trees win here
-    nothing_drafted = tree_of([[0.01]], budget=1)
-    decision = decide(policy, nothing_drafted, streams=False)
-    assert decision == Plain(64, True, policy.shadow_spacing(), "plain_faster")

@@ -504,18 +504,15 @@ class RequestPolicy:
 
     def _plain(self, remaining: int, reason: str, ceiling: float = float("inf")) -> Plain:
         """Plain generation; `ceiling`: the fastest speculation could be (unknown: inf).
-        A stream, read `shadow_spacing` tokens at a time, while a tree could still beat
-        plain by BAND (this tree lost, a later one may not); else a half-life's worth of
-        tokens at a time (the estimates are stale by then). For a client that does not
-        stream, one answer -- it cannot be closed early, but costs both hosts one event
-        where a stream costs one per token -- unless a tree could win and trees have
-        lately won (`Policy.worth_drafting`). Plain is the rate the decision compared:
-        for the rest of the request, its opening counted unless a stream is open (plain
-        timed only as answers of one length cannot tell the opening from the tokens, and
-        a stream not yet open would look free)."""
+        A stream, read `shadow_spacing` tokens at a time, while a tree could still beat it by
+        BAND (this tree lost, a later one may not); else a half-life's worth of tokens at
+        a time (the estimates are stale by then). For a client that does not stream, one
+        answer -- it cannot be closed early, but costs both hosts one event where a
+        stream costs one per token -- unless a tree could win and trees have lately won
+        (`Policy.worth_drafting`)."""
         policy = self.policy
         stream_rate = policy.stream_rate()
-        could_win = ceiling > (1 + BAND) * policy.plain_rate(remaining, self._stream_open)
+        could_win = ceiling > (1 + BAND) * stream_rate
         streaming = self._stream_open or self.client_streams
         if could_win and (streaming or policy.worth_drafting()):
             self._drafting = True
