@@ -578,11 +578,15 @@ def test_plain_is_timed_only_where_the_proxy_did_not_draft_beside_it():
     decision = drafting.decide(doubtful, position=100, unseen_tokens=1, remaining=512,
                                max_depth=4)  # fmt: skip
     assert isinstance(decision, Plain) and decision.recheck_after <= SHADOW_EVERY
-    # The stream it drafted beside ran at 50 tokens/s.
-    drafting.record(PlainTokens([0] * 612, 512, 512 * 0.02, ended=True, rechecks=100,
-                                recheck_seconds=0.1))  # fmt: skip
+    # The stream it drafted beside ran at 50 tokens/s. Its first piece came before any
+    # drafting, but the fit already tells the opening from the tokens: untimed too (at
+    # load such pieces, one token each, would teach the tokens the opening's time).
+    opened = policy.plain_rate(512, stream_open=False)
+    drafting.record(PlainTokens([0] * 612, 512, 512 * 0.02, ended=True, first=(1, 0.5),
+                                rechecks=100, recheck_seconds=0.1))  # fmt: skip
     drafting.record(Finished())
     assert policy.stream_rate() == pytest.approx(rate)
+    assert policy.plain_rate(512, stream_open=False) == pytest.approx(opened)
     looking = decide(policy, doubtful, streams=False, remaining=512)  # one per half-life
     assert looking.stream and looking.recheck_after <= SHADOW_EVERY
     one_answer = policy.request(can_plain=True, seeded=False, client_streams=False)
@@ -679,6 +683,14 @@ def test_every_decision_is_counted_and_traced():
     assert sum(policy.decisions.values()) == len(decided) == 2
     assert {"t", "request", "decision", "reason", "remaining"} <= set(decided[-1])
     assert decided[-1]["spec_rate"] > 0 and decided[-1]["plain_rate"] > 0
+    # The round it compared: its call (0.02 s, and about 0.001 s a prompt of the 9 at
+    # most timed), nothing for others (none in flight) or the host; its expected tokens,
+    # 1 to best_nodes + 1.
+    last = decided[-1]
+    assert 0.02 < last["call_s"] < 0.02 + 0.002 * 9
+    assert last["round_s"] == pytest.approx(last["call_s"])
+    assert 0 < last["extra_s"] < last["call_s"] - 0.02
+    assert 1 <= last["spec_rate"] * last["round_s"] <= last["best_nodes"] + 1
 
 
 def test_every_timed_round_and_stretch_is_traced_beside_its_prediction():
@@ -740,3 +752,39 @@ def test_a_stretched_clock_with_a_half_life_stretched_alike_decides_the_same():
     assert {d.reason for d in on_gpu} >= {"plain_faster", "remeasure_speculation"}
     assert scripted_decisions(12.0, 12 * HALF_LIFE_S) == on_gpu
     assert scripted_decisions(12.0, HALF_LIFE_S) != on_gpu
+
+
+def test_answers_of_one_length_do_not_hide_what_a_tree_could_win():
+    """Plain timed only as one-answer stretches of one length cannot tell a stream's
+    opening from its tokens (the fit charges it all to the opening: a stream would look
+    free). What a tree could win is judged against plain's rate for the rest of the
+    request, opening counted -- the rate the decision compared: a client that does not
+    stream, whose drafter had nothing at its prompt, drafts while trees win; and its
+    stream's first piece times the opening, so that a later tree can beat a stream."""
+    clock = Clock()
+    policy = Policy(clock=clock)
+    request = policy.request(can_plain=True, seeded=False, client_streams=False)
+    tree, chain = tree_of(SURE_CHAIN), [1, 2, 3, 4]
+    for num_prompts in (1, 5, 9):  # rounds of 5 tokens in about 0.25 s
+        seconds = 0.25 + 0.001 * num_prompts
+        request.record(RoundResult(tree, chain, 5, seconds, seconds, num_prompts, num_prompts))
+    for _ in range(3):  # 64-token answers at 5 tokens a second
+        request.record(PlainTokens([0] * 64, 64, 12.8, ended=True))
+    request.record(Finished())
+    assert policy.plain_rate(64, stream_open=False) == pytest.approx(5.0)
+    assert isinstance(decide(policy, streams=False), Speculate)  # trees win here
+    nothing_drafted = tree_of([[0.01]], budget=1)
+    decision = decide(policy, nothing_drafted, streams=False)
+    assert decision == Plain(64, True, policy.shadow_spacing(), "plain_faster")
+    # Such a stream's first piece came before any drafting beside it: it times the
+    # opening (0.2 s), and the next request's open stream is 5 tokens a second, not free.
+    first = policy.request(can_plain=True, seeded=False, client_streams=False)
+    assert first.decide(nothing_drafted, position=100, unseen_tokens=1, remaining=64,
+                        max_depth=4).recheck_after is not None  # fmt: skip
+    first.record(PlainTokens([0] * 164, 64, 13.0, ended=True, first=(1, 0.4)))
+    first.record(Finished())
+    request = policy.request(can_plain=True, seeded=False, client_streams=False)
+    request.decide(nothing_drafted, position=100, unseen_tokens=1, remaining=64, max_depth=4)
+    request.record(PlainTokens([0] * 108, 8, 1.8, ended=False, first=(1, 0.4)))
+    again = request.decide(tree, position=108, unseen_tokens=1, remaining=56, max_depth=4)
+    assert again == Speculate(again.num_nodes, "speculation_faster")

@@ -486,6 +486,13 @@ class RequestPolicy:
         plain_rate = policy.plain_rate(remaining, self._stream_open)
         numbers = {"spec_rate": spec_rate, "plain_rate": plain_rate, "best_nodes": best,
                    "own_acceptance": factor}  # fmt: skip
+        if policy.trace is not None:  # the round compared, as predicted
+            prompts = np.asarray(best + 1)
+            computed = prompts * unseen_tokens + int(np.sum(tree.depths[1 : best + 1]))
+            numbers |= {"round_s": float(policy.round_seconds(prompts, computed)),
+                        "call_s": float(policy.calls.seconds(prompts, computed)),
+                        "extra_s": float(policy.round_extra(prompts, computed)),
+                        "unseen": unseen_tokens}  # fmt: skip
         if self.side == "speculate":
             go_plain = plain_rate > (1 + BAND) * spec_rate
         else:
@@ -504,15 +511,18 @@ class RequestPolicy:
 
     def _plain(self, remaining: int, reason: str, ceiling: float = float("inf")) -> Plain:
         """Plain generation; `ceiling`: the fastest speculation could be (unknown: inf).
-        A stream, read `shadow_spacing` tokens at a time, while a tree could still beat it by
-        BAND (this tree lost, a later one may not); else a half-life's worth of tokens at
-        a time (the estimates are stale by then). For a client that does not stream, one
-        answer -- it cannot be closed early, but costs both hosts one event where a
-        stream costs one per token -- unless a tree could win and trees have lately won
-        (`Policy.worth_drafting`)."""
+        A stream, read `shadow_spacing` tokens at a time, while a tree could still beat
+        plain by BAND (this tree lost, a later one may not); else a half-life's worth of
+        tokens at a time (the estimates are stale by then). For a client that does not
+        stream, one answer -- it cannot be closed early, but costs both hosts one event
+        where a stream costs one per token -- unless a tree could win and trees have
+        lately won (`Policy.worth_drafting`). Plain is the rate the decision compared:
+        for the rest of the request, its opening counted unless a stream is open (plain
+        timed only as answers of one length cannot tell the opening from the tokens, and
+        a stream not yet open would look free)."""
         policy = self.policy
         stream_rate = policy.stream_rate()
-        could_win = ceiling > (1 + BAND) * stream_rate
+        could_win = ceiling > (1 + BAND) * policy.plain_rate(remaining, self._stream_open)
         streaming = self._stream_open or self.client_streams
         if could_win and (streaming or policy.worth_drafting()):
             self._drafting = True
@@ -576,13 +586,18 @@ class RequestPolicy:
                     self._trace(outcome="plain", tokens=num, seconds=outcome.seconds,
                                 slowed=slowed, predicted_s=float(predicted), load=load,
                                 drafted=drafted, failed=outcome.failed)  # fmt: skip
-                if not outcome.failed and outcome.stretch_tokens > 0 and not drafted:
+                if not outcome.failed and outcome.stretch_tokens > 0:
+                    # The first piece came before any drafting beside the stream. Where
+                    # the fit puts no time on the tokens (plain timed only as answers of
+                    # one length), a drafted stream's first piece is the only split of
+                    # the opening there is: else an open stream would look free.
                     first = outcome.first
-                    if first is not None and 0 < first[0] < outcome.stretch_tokens:
+                    split = not drafted or policy.plain.per_token(load) <= 0
+                    if split and first is not None and 0 < first[0] < outcome.stretch_tokens:
                         seconds = first[1] - (self._first_slowed or 0.0)
                         if seconds > 0:
                             policy.plain.observe(first[0], load, seconds)
-                    if outcome.seconds - slowed > 0:
+                    if not drafted and outcome.seconds - slowed > 0:
                         policy.plain.observe(outcome.stretch_tokens, load, outcome.seconds - slowed)
                         policy.note_measured("plain")
         else:
