@@ -215,11 +215,14 @@ class Policy:
 
     # ----- the numbers ------------------------------------------------------------
 
-    def round_rates(self, tree: DraftTree, unseen_tokens: int, factor: float = 1.0) -> np.ndarray:
-        """[num_nodes + 1] predicted tokens per second of a round verifying the first n
-        nodes, n = 0 .. num_nodes (`unseen_tokens`: context per prompt the target has
-        not processed; `factor`: the request's own acceptance, `RequestAcceptance`)."""
-        return round_estimates(tree, self.calibration, unseen_tokens, self.round_seconds, factor)[1]
+    def rounds(
+        self, tree: DraftTree, unseen_tokens: int, factor: float = 1.0
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """[num_nodes + 1] predicted seconds and tokens per second of a round verifying
+        the first n nodes, n = 0 .. num_nodes (`unseen_tokens`: context per prompt the
+        target has not processed; `factor`: the request's own acceptance,
+        `RequestAcceptance`)."""
+        return round_estimates(tree, self.calibration, unseen_tokens, self.round_seconds, factor)
 
     def round_seconds(self, num_prompts: np.ndarray, computed_tokens: np.ndarray) -> np.ndarray:
         """Predicted seconds of a round: its call, the host's overhead, and what its
@@ -444,7 +447,7 @@ class RequestPolicy:
             if policy.calls.num_rows == 0:
                 return Speculate(tree.num_nodes, "speculation_unmeasured"), {}
             factor = self._acceptance.factor()
-            rates = policy.round_rates(tree, unseen_tokens, factor)
+            rates = policy.rounds(tree, unseen_tokens, factor)[1]
             best = int(np.argmax(rates))
             numbers = {"spec_rate": float(rates[best]), "own_acceptance": factor}
             return Speculate(best, "no_plain_generation"), numbers
@@ -480,7 +483,7 @@ class RequestPolicy:
             # token (a plain step) where going plain would commit SHADOW_EVERY.
             return Speculate(0, "empty_after_tree"), {}
         factor = self._acceptance.factor()
-        rates = policy.round_rates(tree, unseen_tokens, factor)
+        seconds, rates = policy.rounds(tree, unseen_tokens, factor)
         best = int(np.argmax(rates))
         spec_rate = float(rates[best])
         plain_rate = policy.plain_rate(remaining, self._stream_open)
@@ -489,7 +492,7 @@ class RequestPolicy:
         if policy.trace is not None:  # the round compared, as predicted
             prompts = np.asarray(best + 1)
             computed = prompts * unseen_tokens + int(np.sum(tree.depths[1 : best + 1]))
-            numbers |= {"round_s": float(policy.round_seconds(prompts, computed)),
+            numbers |= {"round_s": float(seconds[best]),
                         "call_s": float(policy.calls.seconds(prompts, computed)),
                         "extra_s": float(policy.round_extra(prompts, computed)),
                         "unseen": unseen_tokens}  # fmt: skip
