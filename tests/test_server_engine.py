@@ -455,6 +455,31 @@ def test_api_key_required(target_dir):
             openai.OpenAI(base_url=server.url + "/v1", api_key="nope", max_retries=0).models.list()
 
 
+def test_serving_starts_with_what_starting_made_frozen(target_dir, monkeypatch):
+    """`ddtree-proxy serve` builds the runtime and the app, then freezes the heap before it
+    serves: the collector's passes while serving leave the startup objects out."""
+    import asyncio
+    import gc
+
+    import uvicorn
+
+    from proxy.server import app as app_module
+
+    frozen_when_serving = []
+
+    async def serve(self, sockets=None) -> None:
+        frozen_when_serving.append(gc.get_freeze_count())
+
+    monkeypatch.setattr(uvicorn.Server, "serve", serve)
+    gc.unfreeze()
+    try:
+        settings = ServerSettings(target=str(target_dir), drafter="ngram", port=free_port())
+        assert asyncio.run(app_module._serve(settings)) == 0
+    finally:
+        gc.unfreeze()  # the test process's own collector as it was
+    assert len(frozen_when_serving) == 1 and frozen_when_serving[0] > 10_000
+
+
 def test_serve_settings_from_flags_and_env(monkeypatch):
     parser = build_parser()
     args = parser.parse_args(["serve", "--budget", "32", "--port", "9001", "--strategy", "paths"])

@@ -6,6 +6,7 @@ API-key guard, and `ddtree-proxy serve`. What a request does is in
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import secrets
 from collections.abc import Coroutine
@@ -189,6 +190,13 @@ async def _serve(settings: ServerSettings) -> int:
     runtime = await build_runtime(settings)
     try:
         app = create_app(settings, runtime)
+        # What starting made (modules, the tokenizer, the model's objects) lives as long
+        # as the server. Collected once and frozen, it is left out of the collector's
+        # passes while serving, which then walk only what requests allocate; else every
+        # full pass walks all of it with every stream stopped (docs/PERFORMANCE.md). vLLM
+        # does the same after its start (vllm/utils/gc_utils.py, freeze_gc_heap).
+        gc.collect()
+        gc.freeze()
         config = uvicorn.Config(
             app, host=settings.host, port=settings.port, log_level=settings.log_level
         )
