@@ -8,8 +8,10 @@ agrees), so rounds accept deep paths and stream deltas carry several tokens.
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import functools
+import gc
 import json
 import math
 import os
@@ -19,6 +21,7 @@ import httpx
 import openai
 import pytest
 import torch
+import uvicorn
 from background_server import BackgroundServer
 from conftest import serving
 from metrics import scrape
@@ -28,7 +31,7 @@ from benchmarks.upstream import free_port
 from proxy.cli import build_parser, settings_from_args
 from proxy.cli import main as cli_main
 from proxy.decoding import TreeSettings
-from proxy.server.app import create_app
+from proxy.server.app import _serve, create_app
 from proxy.server.settings import ServerSettings
 
 MODEL_NAME = "tiny-target"
@@ -458,13 +461,6 @@ def test_api_key_required(target_dir):
 def test_serving_starts_with_what_starting_made_frozen(target_dir, monkeypatch):
     """`ddtree-proxy serve` builds the runtime and the app, then freezes the heap before it
     serves: the collector's passes while serving leave the startup objects out."""
-    import asyncio
-    import gc
-
-    import uvicorn
-
-    from proxy.server import app as app_module
-
     frozen_when_serving = []
 
     async def serve(self, sockets=None) -> None:
@@ -474,7 +470,7 @@ def test_serving_starts_with_what_starting_made_frozen(target_dir, monkeypatch):
     gc.unfreeze()
     try:
         settings = ServerSettings(target=str(target_dir), drafter="ngram", port=free_port())
-        assert asyncio.run(app_module._serve(settings)) == 0
+        assert asyncio.run(_serve(settings)) == 0
     finally:
         gc.unfreeze()  # the test process's own collector as it was
     assert len(frozen_when_serving) == 1 and frozen_when_serving[0] > 10_000
