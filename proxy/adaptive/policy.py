@@ -163,9 +163,11 @@ class Policy:
         self.recheck = Fading(2, clock, half_life_s)
         # The rounds' work beyond a one-prompt call, summed over every round timed, s:
         # each other request in flight waited for it (`round_seconds` charges it to the
-        # round), so plain stretches and calls are timed without what other requests'
-        # rounds added while they ran (else it would be charged twice, and the more
-        # requests speculate, the slower plain would look).
+        # round), so plain stretches are timed without what other requests' rounds
+        # added while they ran (else the more requests speculate, the slower plain would
+        # look, and more would). A round's call is learnt as it took, others' rounds
+        # included: with the others speculating too, that is what a round costs. At load
+        # the comparison so leans to plain, the side that is never slower than vLLM.
         self.rounds_extra = 0.0
         self.calibration = Calibration(clock, half_life_s)
         self.decisions: Counter[tuple[str, str]] = Counter()  # (kind, reason)
@@ -372,10 +374,9 @@ class RequestPolicy:
     # the proxy's drafting beside it, not what stepping aside costs (`record`).
     _drafting: bool = False
     _rechecks_seen: tuple[int, float] = (0, 0.0)  # of the stretch now open
-    # (the replica's Policy, its rounds_extra) when the last round was decided, and (the
-    # same, the requests then in flight) when the plain stretch began (`_slowed`)
+    # (the replica's Policy, its rounds_extra, the requests then in flight) when the
+    # plain stretch began (`_slowed`)
     _stretch_from: tuple[Policy, float, int] | None = None
-    _round_from: tuple[Policy, float] | None = None
     _first_slowed: float | None = None  # what others' rounds added by the first piece
     _acceptance: RequestAcceptance = field(default_factory=RequestAcceptance)
 
@@ -421,8 +422,6 @@ class RequestPolicy:
                          decision.reason, numbers)  # fmt: skip
         self.side = policy.prevailing = kind
         self._after_tree = kind == "speculate" and tree.num_nodes > 0
-        if isinstance(decision, Speculate):
-            self._round_from = (policy, policy.rounds_extra)
         if isinstance(decision, Plain):
             self._stream_open = decision.stream
             if self._stretch_from is None:  # a plain call is sent
@@ -543,18 +542,16 @@ class RequestPolicy:
         if isinstance(outcome, RoundResult):
             # A round that a failover moved timed two replicas and the failure between
             # them: its acceptance is real, its cost is neither replica's.
-            slowed, self._round_from = self._slowed(self._round_from), None
             if self.replica() == self._decided_on:
                 prompts, tokens = outcome.num_prompts, outcome.computed_tokens
-                call_seconds = outcome.call_seconds - slowed
                 if policy.trace is not None:
                     predicted = policy.calls.num_rows and policy.calls.seconds(prompts, tokens)
                     self._trace(outcome="round", tokens=outcome.num_tokens,
-                                seconds=outcome.call_seconds, slowed=slowed,
+                                seconds=outcome.call_seconds,
                                 predicted_s=float(predicted), prompts=prompts,
                                 computed_tokens=tokens)  # fmt: skip
-                if call_seconds > 0:
-                    policy.calls.observe(prompts, tokens, call_seconds)
+                if outcome.call_seconds > 0:
+                    policy.calls.observe(prompts, tokens, outcome.call_seconds)
                     policy.note_measured("speculate")
                 policy.overhead.add(max(0.0, outcome.seconds - outcome.call_seconds), 1.0)
                 policy.rounds_extra += max(0.0, float(policy.round_extra(prompts, tokens)))
@@ -617,7 +614,7 @@ class RequestPolicy:
         assert policy.trace is not None
         policy.trace({"t": policy.clock(), "request": self.request_id, **fields})
 
-    def _slowed(self, began: tuple[Policy, float] | tuple[Policy, float, int] | None) -> float:
+    def _slowed(self, began: tuple[Policy, float, int] | None) -> float:
         """Seconds that other requests' rounds added to a call that began at `began`
         (a failover moved the request since: unknown, 0)."""
         if began is None or began[0] is not self.policy:
