@@ -615,8 +615,8 @@ class RequestPolicy:
         policy.trace({"t": policy.clock(), "request": self.request_id, **fields})
 
     def _slowed(self, began: tuple[Policy, float, int] | None) -> float:
-        """Seconds that other requests' rounds added to a call that began at `began`
-        (a failover moved the request since: unknown, 0)."""
+        """Seconds that other requests' rounds added to a plain stretch that began at
+        `began` (a failover moved the request since: unknown, 0)."""
         if began is None or began[0] is not self.policy:
             return 0.0
         return self.policy.rounds_extra - began[1]
