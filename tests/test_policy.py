@@ -468,6 +468,16 @@ def test_speculation_is_remeasured_by_two_rounds_of_two_sizes():
     assert isinstance(decide(policy), Plain)  # one request re-measures
 
 
+def test_speculation_is_remeasured_inside_an_answer_not_at_a_prompts_end():
+    # At a prompt's end every prompt of a round computes the whole uncached prompt: a
+    # round dearer than any after it. The re-measurement waits for a tree with no more
+    # unseen context than a round commits (max_depth + 1 tokens).
+    policy = stale_speculation()
+    at_prompt_end = [decide(policy, new=200, streams=streams) for streams in (True, False)]
+    assert all(isinstance(d, Plain) and d.reason == "plain_faster" for d in at_prompt_end)
+    assert decide(policy, new=5) == Speculate(8, "remeasure_speculation")  # max_depth 4
+
+
 def test_short_plain_requests_do_not_make_long_ones_speculate():
     # Requests of one token measure plain generation only at that length: what a longer
     # stretch costs is unknown, and the policy must not guess it dear and leave plain.

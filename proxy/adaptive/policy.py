@@ -14,7 +14,8 @@ rule with the numbers that decide it; in short:
 * a request changes side only when the other side is faster by BAND;
 * every estimate fades with one half-life (`Policy.half_life_s`), and when one side's
   estimate is a half-life older than the other's, one request re-measures it: two rounds
-  (a whole tree, then at most half its nodes), or a plain stretch of SHADOW_EVERY tokens.
+  inside an answer (a whole tree, then at most half its nodes), or a plain stretch of
+  SHADOW_EVERY tokens.
   Ages count only time with requests in flight (`Policy.busy_time`): an idle proxy
   learns nothing, so a pause makes no estimate staler than the other.
 
@@ -463,10 +464,14 @@ class RequestPolicy:
         # per-call cost from the per-prompt one, which calls of one size (after an idle
         # gap, the fit's only recent rows) leave to the ridge. An empty tree is a
         # one-prompt call and tells neither: the re-measurement waits for a tree with nodes.
+        # It also waits for a tree inside an answer (no more unseen context than a round
+        # commits): at a prompt's end every prompt of the round computes the whole uncached
+        # prompt, a round that costs several plain requests and that no later round repeats.
         if self._second_round is not None:
             nodes, self._second_round = min(self._second_round, tree.num_nodes), None
             return Speculate(nodes, "remeasure_speculation"), ages
-        if tree.num_nodes and policy.claim("speculate"):
+        inside = unseen_tokens <= max_depth + 1
+        if tree.num_nodes and inside and policy.claim("speculate"):
             self._second_round = tree.num_nodes // 2
             return Speculate(tree.num_nodes, "remeasure_speculation"), ages
         if not self._stream_open and policy.claim("plain"):
