@@ -478,6 +478,27 @@ def test_speculation_is_remeasured_inside_an_answer_not_at_a_prompts_end():
     assert decide(policy, new=5) == Speculate(8, "remeasure_speculation")  # max_depth 4
 
 
+def test_a_round_right_after_a_plain_stretch_prices_the_switch_not_the_rounds():
+    # An engine that has decoded plain answers the next round slower than it answers a
+    # round after a round: a cost of switching once, which the band covers, not a cost
+    # of every round in the run it starts. Here it is ten times a round's.
+    clock = Clock()
+    policy = Policy(clock=clock)
+    request = policy.request(can_plain=True, seeded=False, client_streams=True)
+    tree, chain = tree_of(SURE_CHAIN), [1, 2, 3, 4]
+    for num_prompts, plain_tokens in ((1, 8), (5, 64), (9, 8)):
+        request.record(PlainTokens([0] * (100 + plain_tokens), plain_tokens,
+                                   0.010 * plain_tokens, ended=True))  # fmt: skip
+        for call_s in (0.2, 0.02):  # right after the stretch, then after a round
+            seconds = call_s + 0.001 * num_prompts
+            request.record(RoundResult(tree, chain, 5, seconds, seconds, num_prompts,
+                                       num_prompts))  # fmt: skip
+    request.record(Finished())
+    # Rounds of ~4.6 tokens at ~25 ms against plain's 100 tokens/s.
+    decision = decide(policy)
+    assert isinstance(decision, Speculate) and decision.reason == "speculation_faster"
+
+
 def test_short_plain_requests_do_not_make_long_ones_speculate():
     # Requests of one token measure plain generation only at that length: what a longer
     # stretch costs is unknown, and the policy must not guess it dear and leave plain.

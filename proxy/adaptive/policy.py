@@ -366,6 +366,7 @@ class RequestPolicy:
     side: str = ""  # "speculate" or "plain": where the request is now
     _stream_open: bool = False
     _plain_failed: bool = False
+    _after_plain: bool = False  # the last step was a plain stretch (it has ended)
     _second_round: int | None = None  # nodes of a re-measurement's second round, when due
     _after_tree: bool = False  # the last decision verified a tree with nodes
     _decided_on: str | None = None  # the replica serving the request at the last decision
@@ -555,11 +556,15 @@ class RequestPolicy:
                                 seconds=outcome.call_seconds,
                                 predicted_s=float(predicted), prompts=prompts,
                                 computed_tokens=tokens)  # fmt: skip
-                if outcome.call_seconds > 0:
+                # An engine that has decoded plain answers the next round slower than a
+                # round after a round: a cost of switching once, which the band covers, not
+                # a cost of every round in the run it starts.
+                if outcome.call_seconds > 0 and not self._after_plain:
                     policy.calls.observe(prompts, tokens, outcome.call_seconds)
                     policy.note_measured("speculate")
                 policy.overhead.add(max(0.0, outcome.seconds - outcome.call_seconds), 1.0)
                 policy.rounds_extra += max(0.0, float(policy.round_extra(prompts, tokens)))
+            self._after_plain = False
             self._acceptance.add(*policy.calibration.observe(outcome.tree, outcome.accepted_nodes))
         elif isinstance(outcome, PlainTokens):
             self._walk_shadows(outcome.committed)
@@ -579,6 +584,7 @@ class RequestPolicy:
                 self._stream_open = False
                 self._stretch_from = None
                 self._plain_failed = outcome.failed or outcome.stretch_tokens == 0
+                self._after_plain = not self._plain_failed
                 # Plain's rate is what stepping aside costs. A stretch the proxy drafted
                 # beside is slower by its drafting (on a host shared with the engine, by
                 # more than the drafting's own time): counted, it would make plain look
